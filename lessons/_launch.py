@@ -1,0 +1,388 @@
+"""The one shared launcher: every lesson starts its ranks through `launch()`.
+
+Process lifecycle is where distributed teaching code usually breaks, so it lives here once:
+
+* **Self-spawn** (the laptop path): `world_size` children are started with the *spawn* start
+  method. They meet through a rendezvous *file* in a fresh temporary directory (never a fixed
+  port), so two runs on one machine cannot collide.
+* **Join torchrun** (the GPU-box path): when RANK and WORLD_SIZE are set, the current process
+  *is* one rank; it joins the existing group (env:// rendezvous) instead of spawning.
+* **Deadlines everywhere**: every child has a process-group timeout and a faulthandler alarm
+  that dumps its stacks and exits; it also exits if its parent disappears. The parent polls its
+  children, and on the first failure (exception, non-zero exit, signal) or at the deadline it
+  kills every remaining child and raises `WorkerError` naming the rank and the cause.
+* **Plain results**: a worker's return value must be plain Python data (no tensors). It is
+  pickled to a file in the run directory and read by the parent after the child exited, so no
+  live tensor ever crosses a queue from a process that may already be gone.
+
+Usage (from a lesson)::
+
+    def worker(ctx: RankContext, numel: int) -> dict:
+        ...  # torch.distributed is initialised here; ctx.rank, ctx.world_size, ctx.device
+        return {"ok": True}
+
+    results = launch(worker, world_size=4, args=(1000,))   # list, one entry per rank
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import faulthandler
+import importlib
+import os
+import pickle
+import re
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_TIMEOUT_S = 120.0
+_POLL_S = 0.02
+_STACK_DUMP_GRACE_S = 1.0
+
+
+class WorkerError(RuntimeError):
+    """A rank failed, died or hung. `rank` is the first rank found failing (None if unknown)."""
+
+    def __init__(self, message: str, rank: int | None = None, cause: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.cause = cause
+
+
+@dataclasses.dataclass(frozen=True)
+class RankContext:
+    """What a worker knows about its place in the group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+    launched_by: str  # "spawn" or "torchrun"
+
+
+# ----------------------------------------------------------------------------- device choice
+
+
+def under_torchrun() -> bool:
+    """True when this process was started by torchrun (or any env:// launcher)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def choose_device(requested: str, world_size: int) -> tuple[str, str]:
+    """Map `--device {auto,cpu,cuda}` to (device type, backend).
+
+    auto -> ("cuda", "nccl") when at least `world_size` GPUs are visible (or under torchrun with
+    any GPU), else ("cpu", "gloo"). Asking for cuda without enough GPUs is a ValueError.
+    """
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"unknown device {requested!r}: use auto, cpu or cuda")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    needed = 1 if under_torchrun() else world_size
+    if requested == "cpu":
+        return "cpu", "gloo"
+    if gpus >= needed:
+        return "cuda", "nccl"
+    if requested == "cuda":
+        raise ValueError(f"--device cuda needs {needed} GPU(s), found {gpus}")
+    return "cpu", "gloo"
+
+
+def _loopback_interface() -> str | None:
+    names = {name for _, name in socket.if_nameindex()}
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+# ----------------------------------------------------------------------------- the worker side
+
+
+def _importable(fn: Callable) -> tuple[str, str]:
+    """(module, name) a spawned child can import. A lesson run as a script has module
+    `__main__`; the child must import it by its package name (lessons.NN_slug.main)."""
+    module = fn.__module__
+    if module == "__main__":
+        path = Path(getattr(sys.modules["__main__"], "__file__", "") or ".").resolve()
+        if path.is_relative_to(REPO_ROOT) and path.suffix == ".py":
+            module = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts)
+        # else: a script outside the course; spawn re-runs it as the child's __main__
+    return module, fn.__qualname__
+
+
+def _check_plain(value: Any, where: str = "result") -> None:
+    """Refuse tensors in results: they must come back as plain data (or through files)."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{where} is a torch.Tensor; return plain data (e.g. .tolist())")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple, set)):
+        for index, item in enumerate(value):
+            _check_plain(item, f"{where}[{index}]")
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this child when its parent is gone (a killed launcher must not leave orphans)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(3)
+        time.sleep(0.2)
+
+
+def _child_main(rank: int, spec: dict) -> None:
+    """Entry point of one spawned rank (runs in the child process)."""
+    run_dir = Path(spec["run_dir"])
+    stack_file = open(run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 (lives as long as the process)
+    faulthandler.enable(stack_file)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    faulthandler.dump_traceback_later(spec["timeout_s"], exit=True, file=stack_file)
+    threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
+    try:
+        if spec["device_type"] == "cpu":
+            torch.set_num_threads(1)
+        if spec["device_type"] == "cuda":
+            torch.cuda.set_device(rank)
+        module = importlib.import_module(spec["module"])
+        fn = getattr(module, spec["name"])
+        dist.init_process_group(
+            spec["backend"],
+            init_method=f"file://{run_dir / 'rendezvous'}",
+            rank=rank,
+            world_size=spec["world_size"],
+            timeout=datetime.timedelta(seconds=spec["timeout_s"]),
+        )
+        ctx = RankContext(rank, spec["world_size"], torch.device(spec["device_type"], rank)
+                          if spec["device_type"] == "cuda" else torch.device("cpu"),
+                          spec["backend"], "spawn")
+        result = fn(ctx, *spec["args"])
+        _check_plain(result)
+        dist.barrier()  # nobody closes its sockets while a peer may still be receiving
+        dist.destroy_process_group()
+        tmp = run_dir / f"rank{rank}.result.tmp"
+        with open(tmp, "wb") as handle:
+            pickle.dump(result, handle)
+        os.replace(tmp, run_dir / f"rank{rank}.result")
+    except BaseException as exc:  # report every failure, then exit non-zero
+        summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+        (run_dir / f"rank{rank}.error").write_text(summary + "\n" + traceback.format_exc())
+        stack_file.flush()
+        os._exit(1)
+    faulthandler.cancel_dump_traceback_later()
+    stack_file.flush()
+    os._exit(0)
+
+
+# ----------------------------------------------------------------------------- the parent side
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _innermost_frame(stack_text: str) -> str:
+    """The innermost Python frame of the last faulthandler dump (the line a rank was stuck on)."""
+    dumps = [block for block in stack_text.split("\n\n")
+             if "File " in block and "_watch_parent" not in block]
+    if not dumps:
+        return ""
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', dumps[-1])
+    if not frames:
+        return ""
+    path, line, func = frames[0]  # faulthandler prints the most recent call first
+    return f"{func} ({Path(path).name}:{line})"
+
+
+def _kill_all(processes: list) -> None:
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+    for proc in processes:
+        proc.join(timeout=5)
+
+
+def _spawn(fn: Callable, world_size: int, args: tuple, device_type: str, backend: str,
+           timeout_s: float) -> list[Any]:
+    module, name = _importable(fn)
+    run_dir = Path(tempfile.mkdtemp(prefix="dtfs-run-"))
+    spec = {
+        "module": module, "name": name, "args": args, "run_dir": str(run_dir),
+        "world_size": world_size, "device_type": device_type, "backend": backend,
+        "timeout_s": timeout_s, "parent_pid": os.getpid(),
+    }
+    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    loopback = _loopback_interface()
+    if loopback and backend == "gloo":
+        child_env["GLOO_SOCKET_IFNAME"] = loopback
+    saved_env = {key: os.environ.get(key) for key in child_env}
+    os.environ.update(child_env)  # spawned children inherit the environment at start
+    ctx = mp.get_context("spawn")
+    processes = []
+    try:
+        for rank in range(world_size):
+            proc = ctx.Process(target=_child_main, args=(rank, spec), name=f"rank{rank}",
+                               daemon=True)
+            proc.start()
+            processes.append(proc)
+        _wait(processes, run_dir, timeout_s)
+        results = []
+        for rank in range(world_size):
+            with open(run_dir / f"rank{rank}.result", "rb") as handle:
+                results.append(pickle.load(handle))
+        return results
+    finally:
+        _kill_all(processes)
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _wait(processes: list, run_dir: Path, timeout_s: float) -> None:
+    """Poll until every rank exited 0; on the first failure or at the deadline raise."""
+    deadline = time.monotonic() + timeout_s + 5.0  # children time out first and say why
+    while True:
+        codes = [proc.exitcode for proc in processes]
+        if any(code not in (None, 0) for code in codes):
+            time.sleep(0.2)  # let simultaneous failures land, then pick the root cause
+            _raise_root_cause(processes, run_dir, timeout_s)
+        if all(code == 0 for code in codes):
+            return
+        if time.monotonic() > deadline:
+            _raise_root_cause(processes, run_dir, timeout_s)
+        time.sleep(_POLL_S)
+
+
+def _raise_root_cause(processes: list, run_dir: Path, timeout_s: float) -> None:
+    """Kill every rank, then raise a WorkerError naming the rank that started the trouble.
+
+    Peers of a failed rank fail too (lost connection, timeout in a collective), so a rank whose
+    cause mentions a communication error or that sits inside torch.distributed is a *symptom*;
+    the root cause is the first rank that failed (or hung) anywhere else.
+    """
+    alive = [rank for rank, proc in enumerate(processes) if proc.is_alive()]
+    for rank in alive:  # ask each still-running rank where it is before killing it
+        try:
+            os.kill(processes[rank].pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    if alive:
+        time.sleep(_STACK_DUMP_GRACE_S)
+    _kill_all(processes)
+
+    def cause_of(rank: int) -> str:
+        error_file = run_dir / f"rank{rank}.error"
+        stacks_file = run_dir / f"rank{rank}.stacks"
+        stacks = stacks_file.read_text() if stacks_file.exists() else ""
+        if error_file.exists():  # drop gloo's "[.../pair.cc:553] " source-location prefix
+            return re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", error_file.read_text().splitlines()[0])
+        if rank in alive:
+            return f"hung: still running after {timeout_s:g} s, in {_innermost_frame(stacks)}"
+        if "Timeout" in stacks:
+            return (f"hung: no result within its {timeout_s:g} s deadline, in "
+                    f"{_innermost_frame(stacks)}")
+        return _describe_exit(processes[rank].exitcode)
+
+    causes = {rank: cause_of(rank) for rank in range(len(processes))
+              if rank in alive or processes[rank].exitcode != 0}
+
+    def is_symptom(rank: int) -> bool:
+        text = causes[rank].lower()
+        return any(word in text for word in ("connection", "gloo", "nccl", "timed out",
+                                              "broken pipe", "peer", "distributed_c10d"))
+
+    ordered = sorted(causes, key=lambda rank: (is_symptom(rank), rank))
+    root = ordered[0]
+    message = f"rank {root} failed: {causes[root]}"
+    if len(ordered) > 1:
+        message += " (then " + "; ".join(f"rank {r}: {causes[r][:90]}" for r in ordered[1:]) + ")"
+    raise WorkerError(message, rank=root, cause=causes[root])
+
+
+# ----------------------------------------------------------------------------- torchrun side
+
+
+def _join_torchrun(fn: Callable, args: tuple, device_type: str, backend: str,
+                   timeout_s: float) -> list[Any]:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = fn(RankContext(rank, world_size, device, backend, "torchrun"), *args)
+        _check_plain(result)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, result)
+        return gathered
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), device: str = "auto",
+           timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Run `fn(ctx, *args)` on every rank and return the results, one per rank.
+
+    Self-spawns `world_size` processes, or joins the torchrun group when RANK/WORLD_SIZE are
+    set (then `world_size` is taken from the environment). Raises WorkerError naming the
+    failing rank within about `timeout_s` seconds; no child outlives this call.
+    """
+    if under_torchrun():
+        world_size = int(os.environ["WORLD_SIZE"])
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    device_type, backend = choose_device(device, world_size)
+    if under_torchrun():
+        return _join_torchrun(fn, args, device_type, backend, timeout_s)
+    return _spawn(fn, world_size, args, device_type, backend, timeout_s)
+
+
+FAULTS = ("crash", "hang", "exit")
+
+
+def inject_fault(ctx: RankContext, fault: str | None, fault_rank: int) -> None:
+    """Make rank `fault_rank` fail on purpose, to see (and test) how a run ends when one does.
+
+    crash: raise an exception; hang: sleep forever (peers then wait in their next collective);
+    exit: leave the process abruptly with os._exit(13), as a segfault or OOM kill would.
+    """
+    if fault is None or ctx.rank != fault_rank:
+        return
+    if fault == "crash":
+        raise RuntimeError(f"injected crash on rank {ctx.rank}")
+    if fault == "hang":
+        while True:
+            time.sleep(1)
+    if fault == "exit":
+        os._exit(13)
+    raise ValueError(f"unknown fault {fault!r}; use one of {FAULTS}")
+
+
+def is_reporting_rank() -> bool:
+    """True in the process that should print the report (the parent, or torchrun's rank 0)."""
+    return not under_torchrun() or int(os.environ["RANK"]) == 0

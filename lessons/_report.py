@@ -1,0 +1,179 @@
+"""Shared plumbing for a lesson's command line and its report of named checks.
+
+Every lesson demo ends the same way: a table of named checks (passed on every rank or not),
+a few metrics, an optional `--json PATH` file in the format of COURSE.md, and exit code 0 iff
+every check passed. Bad arguments are argparse errors: one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from lessons._launch import FAULTS, WorkerError, choose_device, is_reporting_rank, under_torchrun
+
+
+@dataclasses.dataclass
+class Check:
+    """One named claim the demo verified: `passed` and a short human-readable `detail`."""
+
+    name: str
+    passed: bool
+    detail: str = ""
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type: an integer in [low, high] (high None = unbounded), else a one-line error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise argparse.ArgumentTypeError(f"{value} is out of range: must be {bound}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_in(low: float, high: float | None = None) -> Callable[[str], float]:
+    """argparse type: a finite float in [low, high]."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (value == value) or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if value < low or (high is not None and value > high):
+            bound = f">= {low:g}" if high is None else f"in [{low:g}, {high:g}]"
+            raise argparse.ArgumentTypeError(f"{value:g} is out of range: must be {bound}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 64) -> argparse.ArgumentParser:
+    """The flags every multi-process lesson shares (COURSE.md, 'main.py')."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--world-size", type=int_in(1, max_world_size), default=world_size,
+                        help=f"ranks to spawn on this machine (default {world_size}; "
+                             "ignored under torchrun)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: CUDA+NCCL when enough GPUs exist, else CPU+gloo")
+    parser.add_argument("--seed", type=int_in(0), default=0, help="random seed (default 0)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (CI, notebooks)")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--timeout", type=float_in(1.0, 3600.0), default=60.0,
+                        help="per-rank deadline in seconds (default 60)")
+    parser.add_argument("--fault", choices=FAULTS,
+                        help="make one rank fail on purpose, to see how the run ends")
+    parser.add_argument("--fault-rank", type=int_in(0), default=0,
+                        help="the rank --fault applies to (default 0)")
+    return parser
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Cross-argument validation shared by lessons: exits 2 with one line on a bad combination."""
+    if args.fault is not None and args.fault_rank >= args.world_size and not under_torchrun():
+        parser.error(f"--fault-rank {args.fault_rank} is not a rank of --world-size "
+                     f"{args.world_size}")
+    try:
+        choose_device(args.device, args.world_size)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def merge_rank_checks(per_rank: list[list[dict]]) -> list[Check]:
+    """A check passes iff it passed on every rank; the detail comes from the first failing
+    rank (or rank 0). Every rank must report the same check names in the same order."""
+    names = [item["name"] for item in per_rank[0]]
+    for rank, checks in enumerate(per_rank):
+        if [item["name"] for item in checks] != names:
+            raise ValueError(f"rank {rank} reported different checks than rank 0")
+    merged = []
+    for index, name in enumerate(names):
+        failing = [(rank, checks[index]) for rank, checks in enumerate(per_rank)
+                   if not checks[index]["passed"]]
+        if failing:
+            rank, item = failing[0]
+            merged.append(Check(name, False, f"rank {rank}: {item['detail']}"))
+        else:
+            merged.append(Check(name, True, per_rank[0][index]["detail"]))
+    return merged
+
+
+@dataclasses.dataclass
+class Report:
+    lesson: str
+    device: str
+    backend: str
+    world_size: int
+    checks: list[Check]
+    metrics: dict[str, Any]
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.checks) and all(check.passed for check in self.checks)
+
+    def to_json(self) -> dict:
+        return {
+            "lesson": self.lesson, "passed": self.passed, "device": self.device,
+            "backend": self.backend, "world_size": self.world_size,
+            "seconds": round(self.seconds, 3),
+            "checks": [dataclasses.asdict(check) for check in self.checks],
+            "metrics": self.metrics,
+        }
+
+
+def print_report(report: Report, console: Console | None = None) -> None:
+    console = console or Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    table = Table(title=f"{report.lesson}: {report.world_size} rank(s), {report.device}/"
+                        f"{report.backend}", title_justify="left")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for check in report.checks:
+        table.add_row(check.name, "[green]PASS[/]" if check.passed else "[red]FAIL[/]",
+                      check.detail)
+    console.print(table)
+    verdict = "[green]all checks passed[/]" if report.passed else "[red]some checks FAILED[/]"
+    console.print(f"{verdict} in {report.seconds:.1f} s")
+
+
+def finish(report: Report, json_path: Path | None, started: float) -> int:
+    """Print the report (on the reporting rank), write --json, return the exit code."""
+    report.seconds = time.monotonic() - started
+    if is_reporting_rank():
+        print_report(report)
+        if json_path is not None:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+            json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    return 0 if report.passed else 1
+
+
+def run_main(body: Callable[[], int]) -> None:
+    """Run a lesson's main body; a failed rank becomes one clear line and exit code 1."""
+    try:
+        code = body()
+    except WorkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)
