@@ -1,0 +1,156 @@
+"""`python -m course run [IDS] [--json PATH]`: run lesson demos, one summary table.
+`python -m course grade [IDS]`: run the lessons' unittest suites, a per-lesson report.
+`python -m course catalog`: validate catalog.json against the schema and the folders."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from course import REPO_ROOT, CatalogError, catalog_problems, load_catalog, select_lessons
+
+
+def _console() -> Console:
+    return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+
+
+def _run(command: list[str], timeout: float) -> tuple[int, str, float]:
+    """Run a command in the repository root; (exit code, combined output, seconds).
+    A command past its timeout is killed with its whole process group."""
+    started = time.monotonic()
+    proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        output, _ = proc.communicate()
+        output += f"\n(killed after {timeout:g} s)"
+        code = 124
+    return code, output, time.monotonic() - started
+
+
+def run_demos(keys: list[str], json_path: Path | None, timeout: float, extra: list[str]) -> int:
+    lessons = select_lessons(load_catalog(), keys)
+    console = _console()
+    rows = []
+    for lesson in lessons:
+        with tempfile.TemporaryDirectory() as tmp:
+            report_path = Path(tmp) / "report.json"
+            console.print(f"running {lesson['folder']} ...")
+            code, output, seconds = _run([sys.executable, lesson["paths"]["script"], "--json",
+                                          str(report_path), *extra], timeout)
+            report = json.loads(report_path.read_text()) if report_path.exists() else {}
+        passed = code == 0 and report.get("passed") is True
+        headline = report.get("metrics", {}).get("headline", "")
+        if not passed:
+            tail = [line for line in output.strip().splitlines() if line.strip()][-3:]
+            headline = " | ".join(tail)[-300:]
+        rows.append({"lesson": lesson["id"], "folder": lesson["folder"], "passed": passed,
+                     "exit_code": code, "seconds": round(seconds, 2), "headline": headline,
+                     "checks": len(report.get("checks", []))})
+    table = Table(title="lesson demos", title_justify="left")
+    for column in ("lesson", "result", "checks", "seconds", "headline"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(row["folder"].split("/")[-1], "[green]PASS[/]" if row["passed"] else
+                      f"[red]FAIL (exit {row['exit_code']})[/]", str(row["checks"]),
+                      f"{row['seconds']:.1f}", row["headline"])
+    console.print(table)
+    failed = [row["folder"] for row in rows if not row["passed"]]
+    console.print(f"{len(rows) - len(failed)} of {len(rows)} lesson demos passed")
+    if json_path:
+        json_path.write_text(json.dumps({"passed": not failed, "lessons": rows}, indent=2) + "\n")
+    return 1 if failed else 0
+
+
+_RAN = re.compile(r"^Ran (\d+) tests? in ([\d.]+)s", re.M)
+_COUNTS = re.compile(r"(failures|errors|skipped|expected failures|unexpected successes)=(\d+)")
+
+
+def grade(keys: list[str], timeout: float) -> int:
+    lessons = select_lessons(load_catalog(), keys)
+    console = _console()
+    table = Table(title="lesson grades", title_justify="left")
+    for column in ("lesson", "result", "tests", "failed", "errors", "skipped", "seconds"):
+        table.add_column(column)
+    all_ok = True
+    details = []
+    for lesson in lessons:
+        console.print(f"grading {lesson['folder']} ...")
+        code, output, seconds = _run([sys.executable, "-m", "unittest", "discover", "-s",
+                                      lesson["paths"]["tests"], "-t", "."], timeout)
+        ran = _RAN.search(output)
+        tests = int(ran.group(1)) if ran else 0
+        counts = {name: int(value) for name, value in _COUNTS.findall(output.splitlines()[-1]
+                                                                      if output else "")}
+        ok = code == 0 and tests > 0
+        all_ok &= ok
+        table.add_row(lesson["folder"].split("/")[-1], "[green]PASS[/]" if ok else "[red]FAIL[/]",
+                      str(tests), str(counts.get("failures", 0)), str(counts.get("errors", 0)),
+                      str(counts.get("skipped", 0)), f"{seconds:.1f}")
+        if not ok:
+            failing = re.findall(r"^(?:FAIL|ERROR): (.+)$", output, re.M)
+            details.append(f"{lesson['folder']}: " + ("; ".join(failing) if failing else
+                                                       ("no test ran" if not tests else
+                                                        output.strip().splitlines()[-1])))
+    console.print(table)
+    for line in details:
+        console.print(f"[red]{line}[/]")
+    return 0 if all_ok else 1
+
+
+def check_catalog() -> int:
+    try:
+        catalog = json.loads((REPO_ROOT / "catalog.json").read_text())
+    except (OSError, ValueError) as exc:
+        print(f"catalog.json: $: {exc}")
+        return 1
+    problems = catalog_problems(catalog)
+    for problem in problems:
+        print(problem)
+    if not problems:
+        for lesson in catalog["lessons"]:
+            print(f"{lesson['id']}  {lesson['title']}  ({lesson['minutes']} min, "
+                  f"{lesson['questions']} questions)")
+    return 1 if problems else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m course", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run_parser = sub.add_parser("run", help="run lesson demos and print one summary table")
+    run_parser.add_argument("ids", nargs="*", help="lesson ids (01), slugs or folders; default all")
+    run_parser.add_argument("--json", type=Path, metavar="PATH", help="write the summary as JSON")
+    run_parser.add_argument("--timeout", type=float, default=180.0, help="seconds per lesson")
+    run_parser.add_argument("--quick", action="store_true", help="pass --quick to every demo")
+    grade_parser = sub.add_parser("grade", help="run the lessons' unittest suites")
+    grade_parser.add_argument("ids", nargs="*", help="lesson ids; default all")
+    grade_parser.add_argument("--timeout", type=float, default=600.0, help="seconds per lesson")
+    sub.add_parser("catalog", help="validate catalog.json and list the lessons")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "run":
+            return run_demos(args.ids, args.json, args.timeout, ["--quick"] if args.quick else [])
+        if args.command == "grade":
+            return grade(args.ids, args.timeout)
+        return check_catalog()
+    except CatalogError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

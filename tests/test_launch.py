@@ -1,0 +1,207 @@
+"""The shared launcher under failure: a crashing, a hanging, an exiting and an externally
+killed rank each end the run in bounded time, with an error naming the rank, and leave no
+worker process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import unittest
+from pathlib import Path
+
+from lessons._launch import WorkerError, choose_device, launch
+from tests import _launch_workers as workers
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LESSON01 = REPO_ROOT / "lessons" / "01_collectives" / "main.py"
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def spawned_workers(pid: int) -> list[int]:
+    """Descendants that are multiprocessing spawn children (not the resource tracker)."""
+    alive = []
+    for child in descendants(pid):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                alive.append(child)
+        except OSError:
+            pass
+    return alive
+
+
+def rank_of(pid: int) -> int | None:
+    """A launcher child's rank, read from the per-rank stack file it keeps open."""
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd)
+            if target.endswith(".stacks") and "/rank" in target:
+                return int(target.rsplit("/rank", 1)[1].split(".")[0])
+    except OSError:
+        return None
+    return None
+
+
+@unittest.skipUnless(sys.platform.startswith("linux"), "uses /proc")
+class TestLauncherFailures(unittest.TestCase):
+    DEADLINE = 4.0
+
+    def assert_no_workers_left(self):
+        time.sleep(0.1)
+        self.assertEqual(spawned_workers(os.getpid()), [])
+
+    def test_results_come_back_in_rank_order_as_plain_data(self):
+        results = launch(workers.sum_ranks, 3, device="cpu", timeout_s=30)
+        self.assertEqual([r["rank"] for r in results], [0, 1, 2])
+        self.assertEqual({r["total"] for r in results}, {6})
+        self.assertEqual(len({r["pid"] for r in results}), 3)
+        self.assert_no_workers_left()
+
+    def test_crashing_rank_is_named(self):
+        started = time.monotonic()
+        with self.assertRaises(WorkerError) as caught:
+            launch(workers.crash_on, 3, (1,), device="cpu", timeout_s=30)
+        self.assertEqual(caught.exception.rank, 1)
+        self.assertIn("rank 1 failed: ValueError: injected failure on rank 1",
+                      str(caught.exception))
+        self.assertLess(time.monotonic() - started, 30)
+        self.assert_no_workers_left()
+
+    def test_hanging_rank_is_named_within_the_deadline(self):
+        started = time.monotonic()
+        with self.assertRaises(WorkerError) as caught:
+            launch(workers.hang_on, 3, (2,), device="cpu", timeout_s=self.DEADLINE)
+        elapsed = time.monotonic() - started
+        self.assertEqual(caught.exception.rank, 2)
+        self.assertIn("hung", str(caught.exception))
+        self.assertIn("hang_on", str(caught.exception))  # the frame it was stuck in
+        # deadline + process start-up + the parent's grace; never the 30-minute gloo default
+        self.assertLess(elapsed, self.DEADLINE + 10)
+        self.assert_no_workers_left()
+
+    def test_rank_killed_by_a_signal_is_named(self):
+        with self.assertRaises(WorkerError) as caught:
+            launch(workers.die_on, 3, (0,), device="cpu", timeout_s=30)
+        self.assertEqual(caught.exception.rank, 0)
+        self.assertIn("killed by signal SIGKILL", str(caught.exception))
+        self.assert_no_workers_left()
+
+    def test_tensor_results_are_refused(self):
+        with self.assertRaises(WorkerError) as caught:
+            launch(workers.return_tensor, 2, device="cpu", timeout_s=30)
+        self.assertIn("torch.Tensor", str(caught.exception))
+        self.assert_no_workers_left()
+
+    def test_bad_arguments(self):
+        with self.assertRaises(ValueError):
+            launch(workers.sum_ranks, 0)
+        with self.assertRaises(ValueError):
+            choose_device("tpu", 1)
+        self.assertEqual(choose_device("cpu", 4), ("cpu", "gloo"))
+
+
+@unittest.skipUnless(sys.platform.startswith("linux"), "uses /proc")
+class TestKillOneWorkerOfTheDemo(unittest.TestCase):
+    """Issue 2's 'done means': SIGKILL one worker of lesson 01 mid-run from outside."""
+
+    def test_external_sigkill(self):
+        proc = subprocess.Popen(
+            [sys.executable, str(LESSON01), "--world-size", "3", "--numel", "100",
+             "--fault", "hang", "--fault-rank", "2", "--timeout", "60"],
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            ranks: dict[int, int] = {}
+            deadline = time.monotonic() + 60
+            while len(ranks) < 3 and time.monotonic() < deadline:
+                ranks = {rank: pid for pid in spawned_workers(proc.pid)
+                         if (rank := rank_of(pid)) is not None}
+                time.sleep(0.1)
+            self.assertEqual(sorted(ranks), [0, 1, 2], "workers did not start")
+            time.sleep(1.0)  # let them reach the collective that rank 2 never joins
+            pids = list(ranks.values())
+            os.kill(ranks[1], signal.SIGKILL)
+            killed_at = time.monotonic()
+            _, stderr = proc.communicate(timeout=30)
+            elapsed = time.monotonic() - killed_at
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        self.assertEqual(proc.returncode, 1)
+        self.assertIn("rank 1 failed: killed by signal SIGKILL", stderr)
+        self.assertNotIn("Traceback", stderr)
+        self.assertLess(elapsed, 10)
+        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()
+                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]]
+        self.assertEqual(alive, [])
+
+
+    def test_workers_exit_when_the_launcher_is_killed(self):
+        script = ("import sys; sys.path.insert(0, %r)\n"
+                  "from lessons._launch import launch\n"
+                  "from tests._launch_workers import hang_on\n"
+                  "if __name__ == '__main__':\n"
+                  "    launch(hang_on, 2, (0,), device='cpu', timeout_s=120)\n") % str(REPO_ROOT)
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT)
+        try:
+            deadline = time.monotonic() + 60
+            workers_seen: list[int] = []
+            while len(workers_seen) < 2 and time.monotonic() < deadline:
+                workers_seen = [pid for pid in spawned_workers(proc.pid) if rank_of(pid) is not None]
+                time.sleep(0.1)
+            self.assertEqual(len(workers_seen), 2)
+            proc.kill()  # the launcher dies without any chance to clean up
+            proc.wait(timeout=10)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists()
+                                                      for pid in workers_seen):
+                time.sleep(0.1)
+            self.assertFalse([pid for pid in workers_seen if Path(f"/proc/{pid}").exists()])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+
+
+class TestTorchrun(unittest.TestCase):
+    """Under torchrun the lesson joins the group torchrun made instead of spawning."""
+
+    def test_lesson01_under_torchrun(self):
+        import json
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            report = Path(tmp) / "report.json"
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 "--nproc-per-node=2", str(LESSON01), "--numel", "50", "--device", "cpu",
+                 "--json", str(report)],
+                cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+            self.assertEqual(proc.returncode, 0, proc.stderr[-2000:])
+            data = json.loads(report.read_text())
+        self.assertTrue(data["passed"])
+        self.assertEqual(data["world_size"], 2)
+
+
+if __name__ == "__main__":
+    unittest.main()
