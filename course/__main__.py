@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--json", type=Path, metavar="PATH", help="write the summary as JSON")
     run_parser.add_argument("--timeout", type=float, default=180.0, help="seconds per lesson")
     run_parser.add_argument("--quick", action="store_true", help="pass --quick to every demo")
+    run_parser.add_argument("--demo-args", default="", metavar="ARGS",
+                            help="more arguments for every demo, e.g. --demo-args='--seed 3'")
     grade_parser = sub.add_parser("grade", help="run the lessons' unittest suites")
     grade_parser.add_argument("ids", nargs="*", help="lesson ids; default all")
     grade_parser.add_argument("--timeout", type=float, default=600.0, help="seconds per lesson")
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
-            return run_demos(args.ids, args.json, args.timeout, ["--quick"] if args.quick else [])
+            extra = (["--quick"] if args.quick else []) + shlex.split(args.demo_args)
+            return run_demos(args.ids, args.json, args.timeout, extra)
         if args.command == "grade":
             return grade(args.ids, args.timeout)
         return check_catalog()

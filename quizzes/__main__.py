@@ -6,8 +6,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from quizzes import LETTERS, QuizError, feedback, find_quiz, is_correct, load_quiz, \
-    parse_answer, problems_in, quiz_paths
+from quizzes import (
+    LETTERS,
+    QuizError,
+    feedback,
+    find_quiz,
+    is_correct,
+    load_quiz,
+    parse_answer,
+    problems_in,
+    quiz_paths,
+)
 
 
 def show_question(number: int, total: int, question: dict) -> None:

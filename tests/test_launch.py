@@ -159,11 +159,11 @@ class TestKillOneWorkerOfTheDemo(unittest.TestCase):
 
 
     def test_workers_exit_when_the_launcher_is_killed(self):
-        script = ("import sys; sys.path.insert(0, %r)\n"
+        script = (f"import sys; sys.path.insert(0, {str(REPO_ROOT)!r})\n"
                   "from lessons._launch import launch\n"
                   "from tests._launch_workers import hang_on\n"
                   "if __name__ == '__main__':\n"
-                  "    launch(hang_on, 2, (0,), device='cpu', timeout_s=120)\n") % str(REPO_ROOT)
+                  "    launch(hang_on, 2, (0,), device='cpu', timeout_s=120)\n")
         proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT)
         try:
             deadline = time.monotonic() + 60

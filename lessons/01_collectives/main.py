@@ -34,8 +34,16 @@ import torch
 import torch.distributed as dist
 
 from lessons._launch import RankContext, choose_device, inject_fault, is_reporting_rank, launch
-from lessons._report import Check, Report, check_args, finish, int_in, lesson_parser, \
-    merge_rank_checks, run_main
+from lessons._report import (
+    Check,
+    Report,
+    check_args,
+    finish,
+    int_in,
+    lesson_parser,
+    merge_rank_checks,
+    run_main,
+)
 
 LESSON = "01_collectives"
 DTYPES = {
@@ -405,7 +413,8 @@ def torch_all_gather(chunk: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
-def verify_collectives(numel: int, dtype: torch.dtype, seed: int, device: torch.device) -> tuple[list[Check], dict]:
+def verify_collectives(numel: int, dtype: torch.dtype, seed: int,
+                       device: torch.device) -> tuple[list[Check], dict]:
     """Run every collective once on this rank's input and check it. Returns (checks, metrics)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -545,8 +554,8 @@ def bench_worker(ctx: RankContext, sizes_bytes: list[int], min_seconds: float) -
     world = ctx.world_size
     for size in sizes_bytes:
         x = torch.randn(size // 4, device=ctx.device)
-        times = time_side_by_side({"ours": lambda: ring_all_reduce(x),
-                                   "torch": lambda: dist.all_reduce(x.clone())},
+        times = time_side_by_side({"ours": lambda x=x: ring_all_reduce(x),
+                                   "torch": lambda x=x: dist.all_reduce(x.clone())},
                                   ctx.device, min_seconds)
         rows.append({"bytes": size, "ours_s": times["ours"], "torch_s": times["torch"],
                      "ours_busbw": bus_bandwidth("all_reduce", size, times["ours"], world)[1],

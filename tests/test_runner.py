@@ -1,0 +1,77 @@
+"""The course runner and test discovery, as the README documents them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+
+from tests._course import REPO_ROOT, lessons
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+class TestDiscovery(unittest.TestCase):
+    def test_root_discovery_finds_every_lesson_suite(self):
+        suite = unittest.TestLoader().discover(str(REPO_ROOT), top_level_dir=str(REPO_ROOT))
+        ids = set()
+        stack = [suite]
+        while stack:
+            item = stack.pop()
+            if isinstance(item, unittest.TestSuite):
+                stack.extend(item)
+            else:
+                self.assertNotIsInstance(item, unittest.loader._FailedTest, str(item))
+                ids.add(item.id())
+        for lesson in lessons():
+            prefix = lesson["paths"]["tests"].replace("/", ".") + "."
+            self.assertTrue(any(test_id.startswith(prefix) for test_id in ids), prefix)
+
+    def test_single_lesson_discovery_as_documented(self):
+        for lesson in lessons():
+            suite = unittest.TestLoader().discover(lesson["paths"]["tests"].split("/tests")[0],
+                                                   top_level_dir=str(REPO_ROOT))
+            self.assertGreater(suite.countTestCases(), 0, lesson["folder"])
+
+
+class TestCourseCommands(unittest.TestCase):
+    def test_course_run_one_lesson(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            summary = Path(tmp) / "summary.json"
+            proc = run("-m", "course", "run", "01", "--json", str(summary))
+            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+            data = json.loads(summary.read_text())
+        self.assertTrue(data["passed"])
+        self.assertEqual(data["lessons"][0]["lesson"], "01")
+        self.assertIn("ring all-reduce", data["lessons"][0]["headline"])
+        self.assertIn("1 of 1 lesson demos passed", proc.stdout)
+
+    def test_course_run_reports_a_failing_demo(self):
+        # a demo that fails (a crashing rank) must make `course run` fail, not pass quietly
+        proc = run("-m", "course", "run", "01", "--demo-args",
+                   "--world-size 2 --numel 8 --fault crash --fault-rank 1")
+        self.assertEqual(proc.returncode, 1, proc.stdout)
+        self.assertIn("FAIL", proc.stdout)
+        self.assertIn("rank 1 failed", proc.stdout)
+        self.assertIn("0 of 1 lesson demos passed", proc.stdout)
+
+    def test_course_grade_one_lesson(self):
+        proc = run("-m", "course", "grade", "01", timeout=600)
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        self.assertIn("01_collectives", proc.stdout)
+        self.assertIn("PASS", proc.stdout)
+
+    def test_unknown_lesson_is_an_error(self):
+        proc = run("-m", "course", "run", "42")
+        self.assertEqual(proc.returncode, 2)
+        self.assertIn("unknown lesson '42'", proc.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
