@@ -14,53 +14,16 @@ import unittest
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from lessons._launch import WorkerError, launch
 from lessons._report import merge_rank_checks
 
 M = importlib.import_module("lessons.01_collectives.main")
+# Spawned ranks import their function by module name, so the workers live in a module with a
+# real dotted name (pytest may give this test file a different one).
+W = importlib.import_module("lessons.01_collectives.tests.workers")
 LESSON_DIR = Path(M.__file__).resolve().parent
 REPO_ROOT = LESSON_DIR.parent.parent
-
-
-# ----------------------------------------------------------------------------- workers
-
-
-def suite_worker(ctx, cases: list[tuple[int, str]]) -> list[dict]:
-    """Every check of `verify_collectives` for each (numel, dtype) case."""
-    out = []
-    for numel, dtype_name in cases:
-        checks, _ = M.verify_collectives(numel, M.DTYPES[dtype_name], 7, ctx.device)
-        out.append({"case": [numel, dtype_name], "checks": [vars(c) for c in checks]})
-    return out
-
-
-def broken_ring_worker(ctx) -> dict:
-    """A ring that forgets one step must be caught by the comparison against torch."""
-    x = M.make_input(ctx.rank, 12, torch.int64, 0)
-    good = M.ring_all_reduce(x)
-    theirs = x.clone()
-    dist.all_reduce(theirs)
-    bad = theirs.clone()
-    bad[0] += 1  # one wrong element, as a skipped add would produce
-    return {"good": M.compare(good, theirs, None)[0], "bad": M.compare(bad, theirs, None)[0]}
-
-
-def wrong_chunk_worker(ctx) -> None:
-    M.ring_all_gather(torch.zeros(ctx.rank + 5), numel=8)
-
-
-def all_roots_worker(ctx) -> list[bool]:
-    """Tree broadcast from every root equals torch's broadcast."""
-    results = []
-    for root in range(ctx.world_size):
-        ours = M.make_input(ctx.rank, 9, torch.float32, root)
-        theirs = ours.clone()
-        M.tree_broadcast(ours, root)
-        dist.broadcast(theirs, root)
-        results.append(bool(torch.equal(ours, theirs)))
-    return results
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -186,7 +149,7 @@ class TestAgainstTorch(unittest.TestCase):
         for world in cls.WORLDS:
             cases = [(0, "int64"), (1, "int64"), (world - 1, "int32"), (world + 1, "int64"),
                      (1000, "float32"), (1001, "float64"), (37, "bfloat16"), (64, "float16")]
-            cls.results[world] = launch(suite_worker, world, (cases,), device="cpu",
+            cls.results[world] = launch(W.suite_worker, world, (cases,), device="cpu",
                                         timeout_s=60)
 
     def test_every_check_passes_on_every_rank(self):
@@ -206,17 +169,17 @@ class TestAgainstTorch(unittest.TestCase):
 
 class TestMultiProcessEdges(unittest.TestCase):
     def test_broken_ring_is_caught(self):
-        results = launch(broken_ring_worker, 3, device="cpu", timeout_s=60)
+        results = launch(W.broken_ring_worker, 3, device="cpu", timeout_s=60)
         self.assertTrue(all(r["good"] for r in results))
         self.assertFalse(any(r["bad"] for r in results))
 
     def test_tree_broadcast_from_every_root(self):
-        for flags in launch(all_roots_worker, 5, device="cpu", timeout_s=60):
+        for flags in launch(W.all_roots_worker, 5, device="cpu", timeout_s=60):
             self.assertEqual(flags, [True] * 5)
 
     def test_wrong_chunk_size_names_the_rank(self):
         with self.assertRaises(WorkerError) as caught:
-            launch(wrong_chunk_worker, 2, device="cpu", timeout_s=30)
+            launch(W.wrong_chunk_worker, 2, device="cpu", timeout_s=30)
         self.assertIn("ValueError", str(caught.exception))
         self.assertRegex(str(caught.exception), r"rank \d: chunk has \d+ elements, expected")
 
