@@ -472,6 +472,33 @@ def verify_worker(ctx: RankContext, seed: int, steps: int, batch: int, fault: st
     return {"checks": [vars(c) for c in checks], "metrics": metrics}
 
 
+def fsdp2_peak_worker(ctx: RankContext, hidden: int, layers: int) -> dict:
+    """GPU only: train a stack of `layers` Linear(hidden, hidden) under FSDP2 with fp32 Adam and
+    return torch.cuda.max_memory_allocated next to the ZeRO-3 model-state formula
+    16 Psi / N bytes (4 params + 4 grads + 8 Adam). The peak also holds activations, one
+    layer's gathered weights and allocator slack, so it sits above the formula."""
+    if ctx.device.type != "cuda":
+        raise RuntimeError("fsdp2_peak_worker measures CUDA memory: run it with --device cuda")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)]).to(ctx.device)
+    mesh = init_device_mesh("cuda", (ctx.world_size,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x = torch.randn(8, hidden, device=ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    psi = layers * (hidden * hidden + hidden)
+    return {"peak_bytes": torch.cuda.max_memory_allocated(ctx.device),
+            "formula_bytes": 16 * psi / ctx.world_size, "psi": psi}
+
+
 # ============================================================================ the demo
 
 
