@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 import math
 import re
 import subprocess
@@ -17,6 +15,7 @@ import torch
 
 from lessons._launch import WorkerError, launch
 from lessons._report import merge_rank_checks
+from lessons._testing import assert_argument_error
 
 M = importlib.import_module("lessons.01_collectives.main")
 # Spawned ranks import their function by module name, so the workers live in a module with a
@@ -188,13 +187,6 @@ class TestMultiProcessEdges(unittest.TestCase):
 
 
 class TestCommandLine(unittest.TestCase):
-    def parse_error(self, argv: list[str]) -> str:
-        stderr = io.StringIO()
-        with contextlib.redirect_stderr(stderr), self.assertRaises(SystemExit) as caught:
-            M.parse_args(argv)
-        self.assertEqual(caught.exception.code, 2)
-        return stderr.getvalue()
-
     def test_bad_arguments_exit_2_with_one_error_line(self):
         for argv, fragment in [
             (["--world-size", "0"], "out of range"),
@@ -206,14 +198,11 @@ class TestCommandLine(unittest.TestCase):
             (["--timeout", "nan"], "not a finite number"),
         ]:
             with self.subTest(argv=argv):
-                message = self.parse_error(argv)
-                error_lines = [line for line in message.splitlines() if "error:" in line]
-                self.assertEqual(len(error_lines), 1, message)
-                self.assertIn(fragment, error_lines[0])
+                assert_argument_error(self, M.parse_args, argv, fragment)
 
     @unittest.skipIf(torch.cuda.device_count() >= 64, "needs fewer GPUs than --world-size")
     def test_cuda_without_gpus_is_an_argument_error(self):
-        self.assertIn("GPU", self.parse_error(["--device", "cuda", "--world-size", "64"]))
+        assert_argument_error(self, M.parse_args, ["--device", "cuda", "--world-size", "64"], "GPU")
 
     def test_script_bad_argument_has_no_traceback(self):
         proc = subprocess.run([sys.executable, str(LESSON_DIR / "main.py"), "--numel", "x"],

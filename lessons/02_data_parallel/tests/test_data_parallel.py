@@ -3,15 +3,13 @@ and torch DDP on 1, 2, 3 and 4 ranks, then what the checks must catch, then the 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
-import io
 import unittest
 
 import torch
 
 from lessons._launch import launch
-from lessons._report import merge_rank_checks
+from lessons._testing import assert_argument_error, assert_every_check_passes
 
 M = importlib.import_module("lessons.02_data_parallel.main")
 W = importlib.import_module("lessons.02_data_parallel.tests.workers")
@@ -61,10 +59,7 @@ class TestAgainstReferences(unittest.TestCase):
                        for world in (1, 2, 3, 4)}
 
     def test_every_check_passes(self):
-        for world, per_rank in self.results.items():
-            for check in merge_rank_checks([r["checks"] for r in per_rank]):
-                with self.subTest(world=world, check=check.name):
-                    self.assertTrue(check.passed, check.detail)
+        assert_every_check_passes(self, self.results)
 
     def test_bucket_count_reported(self):
         self.assertEqual(self.results[2][0]["metrics"]["buckets"], 3)
@@ -90,12 +85,8 @@ class TestCommandLine(unittest.TestCase):
         for argv, fragment in [(["--batch", "10", "--world-size", "4"], "not divisible"),
                                (["--steps", "0"], "out of range"),
                                (["--bucket-mb", "-1"], "out of range")]:
-            stderr = io.StringIO()
-            with self.subTest(argv=argv), contextlib.redirect_stderr(stderr), \
-                    self.assertRaises(SystemExit) as caught:
-                M.parse_args(argv)
-            self.assertEqual(caught.exception.code, 2)
-            self.assertIn(fragment, stderr.getvalue())
+            with self.subTest(argv=argv):
+                assert_argument_error(self, M.parse_args, argv, fragment)
 
 
 if __name__ == "__main__":

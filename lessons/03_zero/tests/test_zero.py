@@ -12,7 +12,7 @@ import unittest
 from pathlib import Path
 
 from lessons._launch import launch
-from lessons._report import merge_rank_checks
+from lessons._testing import assert_argument_error, assert_every_check_passes
 
 M = importlib.import_module("lessons.03_zero.main")
 W = importlib.import_module("lessons.03_zero.tests.workers")
@@ -78,10 +78,7 @@ class TestAgainstReferences(unittest.TestCase):
                        for world in (1, 2, 3, 4)}
 
     def test_every_check_passes(self):
-        for world, per_rank in self.results.items():
-            for check in merge_rank_checks([r["checks"] for r in per_rank]):
-                with self.subTest(world=world, check=check.name):
-                    self.assertTrue(check.passed, check.detail)
+        assert_every_check_passes(self, self.results)
 
     def test_zero3_sends_one_and_a_half_times_more(self):
         for world in (2, 4):
@@ -123,12 +120,8 @@ class TestCommandLine(unittest.TestCase):
         for argv, fragment in [(["--batch", "10", "--world-size", "4"], "not divisible"),
                                (["--memory", "--dp", "0"], "out of range"),
                                (["--memory", "--params", "-5"], "out of range")]:
-            stderr = io.StringIO()
-            with self.subTest(argv=argv), contextlib.redirect_stderr(stderr), \
-                    self.assertRaises(SystemExit) as caught:
-                M.parse_args(argv)
-            self.assertEqual(caught.exception.code, 2)
-            self.assertIn(fragment, stderr.getvalue())
+            with self.subTest(argv=argv):
+                assert_argument_error(self, M.parse_args, argv, fragment)
 
 
 if __name__ == "__main__":
