@@ -257,9 +257,11 @@ class ZeroAdam:
         return hook
 
     # ---------------------------------------------------------------- the step
-    def step(self) -> None:
+    def step(self, scaler: torch.amp.GradScaler | None = None) -> None:
         """Average the gradients the stage has not averaged yet, step Adam on this rank's
-        shards, and bring full parameters back where the stage keeps them."""
+        shards (through `scaler.step` when a GradScaler is given: it unscales the shard
+        gradients and skips the step on inf/nan), and bring full parameters back where the
+        stage keeps them."""
         if self.stage == 0:
             for _, param in self.named:
                 param.grad = ring_all_reduce_mean(param.grad, self.traffic).view_as(param)
@@ -267,7 +269,10 @@ class ZeroAdam:
             for (_, param), shard in zip(self.named, self.shards):
                 shard.grad = COLLECTIVES.ring_reduce_scatter(param.grad.reshape(-1),
                                                              self.traffic) / self.world
-        self.optimizer.step()
+        if scaler is None:
+            self.optimizer.step()
+        else:
+            scaler.step(self.optimizer)
         if self.stage in (1, 2):
             for (_, param), shard in zip(self.named, self.shards):
                 full = COLLECTIVES.ring_all_gather(shard.detach(), param.numel(), self.traffic)
