@@ -118,6 +118,18 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def safetensors_file_bytes(header_bytes: int, tensor_bytes: int) -> int:
+    """Size of a safetensors file: 8-byte little-endian header length, the JSON header, then
+    the raw tensor bytes."""
+    return 8 + header_bytes + tensor_bytes
+
+
+def kept_steps(total_steps: int, save_every: int, keep: int) -> list[int]:
+    """Which checkpoints survive a run of `total_steps` saving every `save_every` steps and
+    keeping the newest `keep` by step number."""
+    return list(range(save_every, total_steps + 1, save_every))[-keep:]
+
+
 # ============================================================================ 2. the training state
 
 
@@ -126,7 +138,7 @@ class TrainConfig:
     """Everything that defines a run. Its fingerprint marks its checkpoints as its own."""
 
     seed: int = 0
-    steps: int = 12
+    steps: int = 8
     batch: int = 24
     dataset: int = 96
     lr: float = 0.01
@@ -547,7 +559,7 @@ def verify_export(expected: dict[str, torch.Tensor], path: Path) -> None:
     if len(data) < 8:
         raise CheckpointError(f"{path}: {len(data)} bytes is not a safetensors file")
     header = int.from_bytes(data[:8], "little")
-    if len(data) != 8 + header + payload:
+    if len(data) != safetensors_file_bytes(header, payload):
         raise CheckpointError(f"{path}: {len(data)} bytes, expected 8 + {header} + {payload} "
                               f"for {len(expected)} tensors")
     loaded = load(data)
@@ -909,7 +921,7 @@ def demo(args, config: TrainConfig) -> Report:
                   f"latest {read_latest(work / 'c').name}"),
         ]
         steps = committed_steps(work / "a")
-        expected = [s for s in range(args.save_every, config.steps + 1, args.save_every)][-args.keep:]
+        expected = kept_steps(config.steps, args.save_every, args.keep)
         checks.append(Check(f"rotation keeps the newest {args.keep} by step number",
                             steps == expected, f"committed {steps}"))
         checks.append(Check("export from the live model verified (size, round trip)",
