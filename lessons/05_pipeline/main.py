@@ -352,7 +352,7 @@ def simulation_report(stages: int, microbatches: int, chunks: int) -> tuple[list
 # ============================================================================ 4. a real pipeline
 
 
-LAYERS, WIDTH = 8, 16
+LAYERS, WIDTH = 12, 16
 
 
 def make_layers(seed: int) -> nn.Sequential:
