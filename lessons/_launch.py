@@ -212,7 +212,9 @@ def _innermost_frame(stack_text: str) -> str:
     if not frames:
         return ""
     path, line, func = frames[0]  # faulthandler prints the most recent call first
-    return f"{func} ({Path(path).name}:{line})"
+    where = f"{func} ({Path(path).name}:{line})"
+    # waiting inside torch.distributed (a collective, the rendezvous) is a symptom of a peer
+    return f"torch.distributed: {where}" if "/torch/distributed/" in path else where
 
 
 def _kill_all(processes: list) -> None:
@@ -313,7 +315,7 @@ def _raise_root_cause(processes: list, run_dir: Path, timeout_s: float) -> None:
     def is_symptom(rank: int) -> bool:
         text = causes[rank].lower()
         return any(word in text for word in ("connection", "gloo", "nccl", "timed out",
-                                              "broken pipe", "peer", "distributed_c10d"))
+                                              "broken pipe", "peer", "torch.distributed:"))
 
     ordered = sorted(causes, key=lambda rank: (is_symptom(rank), rank))
     root = ordered[0]

@@ -66,7 +66,7 @@ def rank_of(pid: int) -> int | None:
 
 @unittest.skipUnless(sys.platform.startswith("linux"), "uses /proc")
 class TestLauncherFailures(unittest.TestCase):
-    DEADLINE = 4.0
+    DEADLINE = 8.0  # generous: CI runs this beside other suites on 2 cores
 
     def assert_no_workers_left(self):
         time.sleep(0.1)
