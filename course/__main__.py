@@ -1,6 +1,7 @@
 """`python -m course run [IDS] [--json PATH]`: run lesson demos, one summary table.
 `python -m course grade [IDS]`: run the lessons' unittest suites, a per-lesson report.
-`python -m course catalog`: validate catalog.json against the schema and the folders."""
+`python -m course catalog`: validate catalog.json against the schema and the folders.
+`python -m course site [--out DIR]`: build the offline learner site."""
 
 from __future__ import annotations
 
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     grade_parser.add_argument("ids", nargs="*", help="lesson ids; default all")
     grade_parser.add_argument("--timeout", type=float, default=600.0, help="seconds per lesson")
     sub.add_parser("catalog", help="validate catalog.json and list the lessons")
+    site_parser = sub.add_parser("site", help="build the offline learner site from catalog.json")
+    site_parser.add_argument("--out", type=Path, default=REPO_ROOT / "_site",
+                             help="output directory (default _site; emptied first)")
     args = parser.parse_args(argv)
     try:
         if args.command == "run":
@@ -150,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
             return run_demos(args.ids, args.json, args.timeout, extra)
         if args.command == "grade":
             return grade(args.ids, args.timeout)
+        if args.command == "site":
+            from course.site import SiteError, build_site
+            try:
+                pages = build_site(args.out)
+            except SiteError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+            print(f"{len(pages)} pages written to {args.out}; open {args.out / 'index.html'}")
+            return 0
         return check_catalog()
     except CatalogError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -1,0 +1,168 @@
+"""The learner site, built from catalog.json and driven in a real headless Chromium (playwright
+with the system browser; CI installs it and sets COURSE_REQUIRE_BROWSER=1 so it cannot skip)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import http.server
+import json
+import os
+import shutil
+import tempfile
+import threading
+import unittest
+from pathlib import Path
+from unittest import mock
+
+from course import load_catalog
+from course import site as site_module
+
+CHROMIUM = os.environ.get("COURSE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def require_browser(case: unittest.TestCase) -> None:
+    if CHROMIUM is None:
+        if os.environ.get("COURSE_REQUIRE_BROWSER"):
+            case.fail("COURSE_REQUIRE_BROWSER is set but no chromium was found")
+        case.skipTest("no system chromium (CI installs it)")
+
+
+class TestSiteBuild(unittest.TestCase):
+    def test_broken_internal_link_fails_the_build(self):
+        original = site_module.render_markdown
+
+        def with_broken_link(text, link_map):
+            body, toc = original(text, link_map)
+            return body + '<a href="no-such-page.html">oops</a>', toc
+
+        with tempfile.TemporaryDirectory() as tmp, \
+                mock.patch.object(site_module, "render_markdown", with_broken_link):
+            with self.assertRaisesRegex(site_module.SiteError, "no-such-page.html -> missing"):
+                site_module.build_site(Path(tmp) / "out")
+
+    def test_link_checker_catches_missing_anchor_and_external_links(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp)
+            (out / "a.html").write_text('<h2 id="here">x</h2><a href="#here">ok</a>'
+                                        '<a href="#gone">bad</a><a href="https://example.org/">ext</a>')
+            broken = "\n".join(site_module.check_links(out))
+        self.assertIn("no id 'gone'", broken)
+        self.assertIn("external link", broken)
+        self.assertNotIn("#here ->", broken)
+
+    def test_a_new_catalog_lesson_appears_with_no_other_change(self):
+        catalog = copy.deepcopy(load_catalog())
+        extra = copy.deepcopy(catalog["lessons"][0])
+        extra.update(id="99", slug="extra_lesson", title="A lesson added to the catalog only")
+        catalog["lessons"].append(extra)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "out"
+            site_module.build_site(out, catalog)
+            index = (out / "index.html").read_text()
+            self.assertTrue((out / "lessons" / "99-extra_lesson.html").exists())
+        self.assertIn("A lesson added to the catalog only", index)
+        self.assertIn('data-lesson="99"', index)
+
+
+class TestSiteInBrowser(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.out = Path(cls.tmp.name) / "site"
+        cls.pages = site_module.build_site(cls.out)
+        handler = functools.partial(_QuietHandler, directory=str(cls.out))
+        cls.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=cls.server.serve_forever, daemon=True).start()
+        cls.base = f"http://127.0.0.1:{cls.server.server_address[1]}"
+        cls.playwright = cls.browser = None
+        if CHROMIUM:
+            from playwright.sync_api import sync_playwright
+            cls.playwright = sync_playwright().start()
+            cls.browser = cls.playwright.chromium.launch(executable_path=CHROMIUM, args=BROWSER_ARGS)
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.browser:
+            cls.browser.close()
+        if cls.playwright:
+            cls.playwright.stop()
+        cls.server.shutdown()
+        cls.server.server_close()
+        cls.tmp.cleanup()
+
+    def setUp(self):
+        require_browser(self)
+        self.context = self.browser.new_context()
+        self.addCleanup(self.context.close)
+
+    def open(self, relative: str):
+        page = self.context.new_page()
+        errors: list[str] = []
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(f"{self.base}/{relative}")
+        page.wait_for_selector("body[data-mermaid=done]", state="attached", timeout=60_000)
+        return page, errors
+
+    def test_every_page_loads_clean_and_every_mermaid_block_is_an_svg(self):
+        for path in self.pages:
+            relative = path.relative_to(self.out).as_posix()
+            with self.subTest(page=relative):
+                page, errors = self.open(relative)
+                blocks = page.locator("pre.mermaid").count()
+                svgs = page.locator("pre.mermaid svg").count()
+                self.assertEqual(errors, [])
+                self.assertEqual(svgs, blocks)
+                if relative.startswith("lessons/"):
+                    self.assertGreater(blocks, 0, "a lesson page without a diagram")
+                page.close()
+
+    def test_index_lists_every_catalog_lesson_in_order(self):
+        page, _ = self.open("index.html")
+        ids = page.locator("li.lesson-card").evaluate_all("els => els.map(e => e.dataset.lesson)")
+        self.assertEqual(ids, [lesson["id"] for lesson in load_catalog()["lessons"]])
+
+    def test_quiz_feedback_score_progress_and_reset(self):
+        lesson = load_catalog()["lessons"][0]
+        quiz = json.loads((site_module.REPO_ROOT / lesson["paths"]["quiz"]).read_text())
+        total = len(quiz["questions"])
+        page, errors = self.open(f"lessons/{lesson['id']}-{lesson['slug']}.html")
+        first = quiz["questions"][0]
+        wrong = next(i for i, o in enumerate(first["options"]) if not o["correct"])
+        form = page.locator(f"form[data-id='{first['id']}']")
+        form.locator("input").nth(wrong).check()
+        form.locator("button").click()
+        feedback = form.locator(".feedback").inner_text()
+        self.assertIn("Not quite.", feedback)
+        self.assertIn(first["options"][wrong]["explanation"], feedback)
+        self.assertIn(f"Score: 0 / {total} (1 answered)", page.locator("#quiz-score").inner_text())
+
+        numeric = next(q for q in quiz["questions"] if q["type"] == "numeric")
+        form = page.locator(f"form[data-id='{numeric['id']}']")
+        # within the tolerance, not the exact value, when the tolerance allows it
+        form.locator("input").fill(str(numeric["answer"] + numeric["tolerance"] / 2))
+        form.locator("button").click()
+        self.assertIn("Correct!", form.locator(".feedback").inner_text())
+        self.assertIn(f"Score: 1 / {total} (2 answered)", page.locator("#quiz-score").inner_text())
+
+        page.reload()  # progress survives a reload (localStorage) and shows on the index
+        page.wait_for_selector("body[data-mermaid=done]", state="attached")
+        self.assertIn(f"Score: 1 / {total} (2 answered)", page.locator("#quiz-score").inner_text())
+        index, _ = self.open("index.html")
+        progress = index.locator(f"[data-progress-for='{lesson['id']}']").inner_text()
+        self.assertEqual(progress, f"quiz: 2/{total} answered, 1 correct")
+        page.locator("#quiz-reset").click()
+        self.assertIn(f"Score: 0 / {total} (0 answered)", page.locator("#quiz-score").inner_text())
+        self.assertEqual(errors, [])
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+if __name__ == "__main__":
+    unittest.main()
