@@ -385,7 +385,7 @@ class Checkpointer:
             raise ValueError(f"--keep must be >= 1, got {keep}")
         self.ckpt_dir, self.keep, self.save_every = ckpt_dir, keep, save_every
         self.async_save = async_save
-        self._pending: tuple[threading.Thread, dict, int, str] | None = None
+        self._pending: tuple[threading.Thread, int, str] | None = None  # thread, step, fingerprint
         self._result: dict = {}
 
     def maybe_save(self, trainer: Trainer) -> None:
@@ -408,7 +408,7 @@ class Checkpointer:
                 self._result = write_shard(step_dir, rank, world, payload)
             thread = threading.Thread(target=write, daemon=False)
             thread.start()
-            self._pending = (thread, {}, trainer.step, fingerprint)
+            self._pending = (thread, trainer.step, fingerprint)
         else:
             self._commit_everywhere(write_shard(step_dir, rank, world, payload), trainer.step,
                                     world, fingerprint)
@@ -417,7 +417,7 @@ class Checkpointer:
         """Finish the pending async save (if any) on every rank and commit it."""
         if self._pending is None:
             return
-        thread, _, step, fingerprint = self._pending
+        thread, step, fingerprint = self._pending
         thread.join()
         self._pending = None
         self._commit_everywhere(self._result, step, dist.get_world_size(), fingerprint)
@@ -616,7 +616,7 @@ def reference_params(config: TrainConfig) -> list[float]:
 class _SingleProcessTrainer(Trainer):
     """The Trainer's math on one process with plain Adam (no dist)."""
 
-    def __init__(self, config: TrainConfig):  # noqa: D107 (no super: no process group)
+    def __init__(self, config: TrainConfig):  # no super(): there is no process group here
         if config.noise:
             raise ValueError("the single-process reference exists only for noise=False")
         self.config, self.rank, self.world = config, 0, 1
