@@ -433,14 +433,9 @@ def verify_worker(ctx: RankContext, seed: int, steps: int, batch: int, fault: st
                         f"off the big batch by {bug_gap:.1e}; ours vs torch DDP {same_bug:.1e}"
                         + ("" if ctx.world_size > 1 else " (1 rank: harmless)")))
 
-    if ctx.world_size > 1:
-        message = unused_parameter_error(ctx, seed)
-        checks.append(Check("unused parameters give a clear error", "spare.weight" in message,
-                            message[:90] + "..." if message else "no error raised"))
-    else:
-        checks.append(Check("unused parameters give a clear error",
-                            "spare.weight" in unused_parameter_error(ctx, seed),
-                            "world size 1: hooks still run"))
+    message = unused_parameter_error(ctx, seed)  # hooks run on one rank too
+    checks.append(Check("unused parameters give a clear error", "spare.weight" in message,
+                        message[:90] + "..." if message else "no error raised"))
     metrics = {"final_loss": runs["bucketed"]["losses"][-1],
                "buckets": runs["bucketed"]["buckets"], "max_param_diff_vs_torch":
                max_abs_diff(runs["bucketed"]["params"], runs["torch"]["params"])}

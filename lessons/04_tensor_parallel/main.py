@@ -359,9 +359,7 @@ def gather_gradient(name: str, grad: torch.Tensor, world: int) -> torch.Tensor:
     row = name.split(".")[0] in ("o", "down") and name.endswith("weight")
     if not (column or row):
         return grad
-    pieces = [torch.empty_like(grad) for _ in range(world)]
-    dist.all_gather(pieces, grad.contiguous())
-    return torch.cat(pieces, dim=1 if row else 0)
+    return all_gather_cat(grad, world, dim=1 if row else 0)
 
 
 def check_block(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int, heads: int,
@@ -392,7 +390,7 @@ def check_block(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int, 
         grad_gap = max(grad_gap, float((full - grads_ref[name]).abs().max()))
     input_grad = local_x.grad
     if sequence_parallel:
-        input_grad = _gather_rows(input_grad, world)
+        input_grad = all_gather_cat(input_grad, world, dim=0)
     grad_gap = max(grad_gap, float((input_grad - grads_ref["input"]).abs().max()))
     expected_bytes = tp_bytes_per_block(seq, batch, hidden, world, 8, sequence_parallel)
     checks = [
@@ -406,10 +404,11 @@ def check_block(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int, 
     return checks, {"bytes": total_bytes, "forward_bytes": forward_bytes}
 
 
-def _gather_rows(x: torch.Tensor, world: int) -> torch.Tensor:
+def all_gather_cat(x: torch.Tensor, world: int, dim: int) -> torch.Tensor:
+    """Every rank's `x` concatenated along `dim` (torch's all_gather: a check, not the lesson)."""
     pieces = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(pieces, x.contiguous())
-    return torch.cat(pieces, dim=0)
+    return torch.cat(pieces, dim=dim)
 
 
 def verify_worker(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int, heads: int,

@@ -443,13 +443,9 @@ def run_torch_pipelining(ctx: RankContext, kind: str, seed: int, microbatches: i
     schedule = schedule_class(stage, n_microbatches=microbatches, loss_fn=microbatch_loss)
     x, y = pipeline_data(seed, microbatches)
     losses: list[torch.Tensor] = []
-    if ctx.rank == 0 and ctx.world_size > 1:
-        schedule.step(x)
-    elif ctx.rank == ctx.world_size - 1:
-        schedule.step(x, target=y, losses=losses) if ctx.world_size == 1 else \
-            schedule.step(target=y, losses=losses)
-    else:
-        schedule.step()
+    inputs = (x,) if ctx.rank == 0 else ()  # the first stage feeds the data
+    last = {"target": y, "losses": losses} if ctx.rank == ctx.world_size - 1 else {}
+    schedule.step(*inputs, **last)
     return {"losses": [loss.item() for loss in losses],
             "grads": [p.grad.reshape(-1).tolist() for p in module.parameters()]}
 

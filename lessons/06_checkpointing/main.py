@@ -176,6 +176,15 @@ class DataCursor:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+def make_dataset(config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed dataset of a run: `config.dataset` inputs (16 features) and targets (4), float64,
+    drawn from a generator seeded by `config.seed` (the same on every rank)."""
+    generator = torch.Generator().manual_seed(config.seed)
+    inputs = torch.randn(config.dataset, 16, generator=generator, dtype=torch.float64)
+    targets = torch.randn(config.dataset, 4, generator=generator, dtype=torch.float64)
+    return inputs, targets
+
+
 def cosine_with_warmup(warmup: int, total: int):
     """LR multiplier: linear warmup over `warmup` steps, then cosine decay to 0 at `total`."""
     def factor(step: int) -> float:
@@ -217,9 +226,7 @@ class Trainer:
         self.step = 0
         random.seed(config.seed * 7 + rank)
         torch.manual_seed(config.seed * 7 + rank)
-        generator = torch.Generator().manual_seed(config.seed)
-        self.inputs = torch.randn(config.dataset, 16, generator=generator, dtype=torch.float64)
-        self.targets = torch.randn(config.dataset, 4, generator=generator, dtype=torch.float64)
+        self.inputs, self.targets = make_dataset(config)
 
     def train_step(self) -> float:
         indices = DP.local_shard(self.cursor.next_indices(), self.rank, self.world)
@@ -626,9 +633,7 @@ class _SingleProcessTrainer(Trainer):
             self.optimizer, cosine_with_warmup(config.warmup, config.steps))
         self.cursor = DataCursor(config.dataset, config.batch, config.seed)
         self.step = 0
-        generator = torch.Generator().manual_seed(config.seed)
-        self.inputs = torch.randn(config.dataset, 16, generator=generator, dtype=torch.float64)
-        self.targets = torch.randn(config.dataset, 4, generator=generator, dtype=torch.float64)
+        self.inputs, self.targets = make_dataset(config)
 
     def train_step(self) -> float:
         indices = self.cursor.next_indices()
