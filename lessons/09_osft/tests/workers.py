@@ -1,0 +1,16 @@
+"""Functions that lesson 09's tests run on spawned ranks (importable by their dotted name)."""
+
+from __future__ import annotations
+
+import importlib
+
+M = importlib.import_module("lessons.09_osft.main")
+
+
+def sharded(ctx) -> dict:
+    checks, metrics = M.sharded_checks(ctx, 3)
+    return {"checks": [vars(c) for c in checks], "metrics": metrics}
+
+
+def all_reduce_bench(ctx) -> dict:
+    return M.bench_all_reduce_worker(ctx, 4, 64, 1)
