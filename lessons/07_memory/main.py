@@ -529,10 +529,15 @@ class TinyGPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def markov_batches(vocab: int, seq: int, batch: int, steps: int, seed: int) -> list[tuple]:
-    """A learnable synthetic language: each token's successor is drawn from one of 2 choices."""
+def markov_batches(vocab: int, seq: int, batch: int, steps: int, seed: int,
+                   sample_seed: int | None = None) -> list[tuple]:
+    """A learnable synthetic language: each token's successor is drawn from one of 2 choices.
+    `seed` picks the language (the successor table); `sample_seed`, when given, draws other
+    sentences of the same language (train / held-out splits)."""
     generator = torch.Generator().manual_seed(seed)
     successors = torch.randint(0, vocab, (vocab, 2), generator=generator)
+    if sample_seed is not None:
+        generator = torch.Generator().manual_seed(sample_seed)
     batches = []
     for _ in range(steps):
         tokens = torch.empty(batch, seq + 1, dtype=torch.long)
