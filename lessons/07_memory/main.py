@@ -314,7 +314,8 @@ class MaskDropout(torch.autograd.Function):
 
 
 class TransformerLayer(nn.Module):
-    """A GPT layer (pre-LN attention + 4h GeLU MLP), op for op as Korthikanti et al. count it.
+    """A GPT layer (pre-LN causal attention + 4h GeLU MLP), op for op as Korthikanti et al.
+    count it (the causal mask is an additive bias, which autograd does not keep).
 
     x: (s, b, h) -> (s, b, h). What autograd keeps, in units of sbh bytes for 16-bit tensors:
     LN1 input 2, QKV input 2, Q and K 4, V 2, attention output 2 (into the O projection),
@@ -322,11 +323,11 @@ class TransformerLayer(nn.Module):
     and as^2 b: softmax output 2, its dropout mask 1, dropped probabilities 2 = 5.
     """
 
-    def __init__(self, hidden: int, heads: int, dropout: float = 0.1) -> None:
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.1, causal: bool = True) -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden {hidden} must be divisible by heads {heads}")
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.dropout, self.causal = heads, dropout, causal
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
         self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
@@ -336,11 +337,19 @@ class TransformerLayer(nn.Module):
         a, d = self.heads, h // self.heads
         q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
         q, k, v = (t.reshape(s, b, a, d).permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
-        probs = torch.softmax((q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d)), dim=-1)
+        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+        if self.causal:  # position i sees positions <= i; the add keeps nothing for backward
+            scores = scores + causal_bias(s, scores.dtype, scores.device)
+        probs = torch.softmax(scores, dim=-1)
         context = MaskDropout.apply(probs, self.dropout) @ v  # (b, a, s, d)
         context = context.permute(2, 0, 1, 3).reshape(s, b, h)
         x = x + MaskDropout.apply(self.out(context), self.dropout)
         return x + MaskDropout.apply(self.down(F.gelu(self.up(self.ln2(x)))), self.dropout)
+
+
+def causal_bias(seq: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """(s, s): 0 on and below the diagonal, -inf above (a token never sees a later one)."""
+    return torch.full((seq, seq), float("-inf"), dtype=dtype, device=device).triu(1)
 
 
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, itemsize: int = 2) -> int:

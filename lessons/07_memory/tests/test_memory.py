@@ -143,6 +143,13 @@ class TestAdam8bit(unittest.TestCase):
         self.assertEqual(M.adam8bit_state_bytes(4095), 8 * 4095)
         self.assertEqual(M.adam8bit_state_bytes(4097), 2 * (3 * 2048 + 4 * 3))
 
+    def test_readme_quotes_the_default_curves(self):
+        result = M.compare_adam8bit(150, 64, 4, 2, 16, 16)
+        readme = Path(M.__file__).with_name("README.md").read_text()
+        for value in (result["final_loss"]["adam"], result["final_loss"]["adam8bit"]):
+            self.assertIn(f"{value:.4f}", readme)
+        self.assertIn(f"from {result['first_loss']:.3f}", readme)
+
     def test_unquantized_is_torch_adam_exactly(self):
         batches = M.markov_batches(64, 8, 4, 5, 0)
         ours = M.train_curve("adam32_ours", batches, 32, 2, 1, 8)
