@@ -341,10 +341,15 @@ class TransformerLayer(nn.Module):
         if self.causal:  # position i sees positions <= i; the add keeps nothing for backward
             scores = scores + causal_bias(s, scores.dtype, scores.device)
         probs = torch.softmax(scores, dim=-1)
-        context = MaskDropout.apply(probs, self.dropout) @ v  # (b, a, s, d)
+        context = self.drop(probs) @ v  # (b, a, s, d)
         context = context.permute(2, 0, 1, 3).reshape(s, b, h)
-        x = x + MaskDropout.apply(self.out(context), self.dropout)
-        return x + MaskDropout.apply(self.down(F.gelu(self.up(self.ln2(x)))), self.dropout)
+        x = x + self.drop(self.out(context))
+        return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)))))
+
+    def drop(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout in training mode only: in eval mode it neither changes x nor draws from the
+        RNG (an evaluation must not shift the random stream a resumed run replays)."""
+        return MaskDropout.apply(x, self.dropout) if self.training else x
 
 
 def causal_bias(seq: int, dtype: torch.dtype, device) -> torch.Tensor:
