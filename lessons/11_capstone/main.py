@@ -448,8 +448,9 @@ def parse_args(argv: list[str] | None = None):
     if args.global_batch % (world * args.accum):
         parser.error(f"--global-batch {args.global_batch} is not divisible by {world} ranks x "
                      f"--accum {args.accum}")
-    if args.out is None and (args.resume or args.kill_at_step is not None):
-        parser.error("--resume and --kill-at-step need --out (the directory holding the checkpoints)")
+    if args.out is None and (args.resume or args.kill_at_step is not None or under_torchrun()):
+        parser.error("--out is required with --resume, --kill-at-step and under torchrun (every rank "
+                     "must write its shard to the same directory)")
     if args.quick:
         args.steps = min(args.steps, 40)
     if args.save_every is None:

@@ -145,7 +145,7 @@ class TestDemo(unittest.TestCase):
 
     def test_bad_arguments(self):
         assert_argument_error(self, M.parse_args, ["--global-batch", "6"], "--global-batch 6")
-        assert_argument_error(self, M.parse_args, ["--resume"], "need --out")
+        assert_argument_error(self, M.parse_args, ["--resume"], "--out is required")
         assert_argument_error(self, M.parse_args, ["--hidden", "30", "--heads", "4"], "--hidden 30")
 
 
