@@ -877,6 +877,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--steps", type=int_in(10, 2000), default=150,
                         help="training steps for the 8-bit Adam curve (default 150)")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        parser.error("--device cuda: this demo runs on the CPU (the notebook runs cuda_cross_check())")
     check_args(parser, args)
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")

@@ -724,6 +724,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--budget-fraction", type=float_in(0.01, 10.0), default=0.6,
                         help="budget as a fraction of the all-persistent peak (default 0.6)")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        parser.error("--device cuda: this demo runs on the CPU (the notebook runs the manager on CUDA)")
     check_args(parser, args)
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")

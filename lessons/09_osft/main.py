@@ -563,6 +563,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--rank-ratio", type=float_in(0.0, 1.0), default=0.5,
                         help="fraction of singular directions frozen in the benchmark (default 0.5)")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        parser.error("--device cuda: this demo runs on the CPU (the notebook benchmarks the kernels on CUDA)")
     check_args(parser, args)
     if args.quick:
         args.steps = min(args.steps, 150)

@@ -555,6 +555,8 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--teacher-steps", type=int_in(1, 100000), default=100,
                         help="teacher training steps (default 100)")
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        parser.error("--device cuda: this demo runs on the CPU (each rank trains its blocks on the CPU here)")
     check_args(parser, args)
     if args.quick:
         args.steps, args.teacher_steps = min(args.steps, 40), min(args.teacher_steps, 60)

@@ -163,6 +163,7 @@ class TestDemo(unittest.TestCase):
 
     def test_bad_arguments(self):
         assert_argument_error(self, M.parse_args, ["--hidden", "30", "--heads", "4"], "--hidden 30")
+        assert_argument_error(self, M.parse_args, ["--device", "cuda"], "runs on the CPU")
         assert_argument_error(self, M.parse_args, ["--world-size", "2"], "--world-size")
         assert_argument_error(self, M.parse_args, ["--steps", "3"], "--steps")
 

@@ -99,6 +99,7 @@ class TestContinualLearning(unittest.TestCase):
 class TestCommandLine(unittest.TestCase):
     def test_bad_arguments(self):
         assert_argument_error(self, M.parse_args, ["--rank-ratio", "1.5"], "--rank-ratio")
+        assert_argument_error(self, M.parse_args, ["--device", "cuda"], "runs on the CPU")
         assert_argument_error(self, M.parse_args, ["--steps", "5"], "--steps")
         assert_argument_error(self, M.parse_args, ["--bench-size", "10"], "--bench-size")
 

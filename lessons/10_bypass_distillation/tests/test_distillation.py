@@ -133,6 +133,7 @@ class TestDemo(TempDirCase):
 
     def test_bad_arguments(self):
         assert_argument_error(self, M.parse_args, ["--steps", "30"], "--steps 30")
+        assert_argument_error(self, M.parse_args, ["--device", "cuda"], "runs on the CPU")
         assert_argument_error(self, M.parse_args, ["--layers", "0"], "--layers")
 
 
