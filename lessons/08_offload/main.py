@@ -587,11 +587,16 @@ def _device_of(config: dict) -> str:
 
 
 def _best_time(fn, repeats: int) -> float:
+    """Best of `repeats` timings after one warm-up; on a GPU, kernels are waited for."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     best = math.inf
-    for _ in range(repeats + 1):  # the first call warms up
+    for index in range(repeats + 1):
+        sync()
         started = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - started)
+        sync()
+        if index:  # the first call warms up
+            best = min(best, time.perf_counter() - started)
     return best
 
 

@@ -478,11 +478,15 @@ def projection_flops(n_rows: int, n_cols: int, k_high: int, k_low: int) -> dict:
 
 
 def _best(fn, repeats: int) -> float:
+    """Best of `repeats` timings after one warm-up; on a GPU, kernels are waited for."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     best = math.inf
     for _ in range(repeats):
+        sync()
         started = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - started)
     return best
 

@@ -150,6 +150,17 @@ class TestAdam8bit(unittest.TestCase):
             self.assertIn(f"{value:.4f}", readme)
         self.assertIn(f"from {result['first_loss']:.3f}", readme)
 
+    def test_readme_quotes_the_demo(self):
+        readme = Path(M.__file__).with_name("README.md").read_text()
+        self.assertIn(f"**{M.compare_with_torch_memtracker(0)['ours']['total']:,} B**", readme)
+        recompute = M.compare_recomputation(16, 2, 64, 4, 2)
+        for value in (recompute["plain"]["activation_bytes"], recompute["recompute"]["activation_bytes"],
+                      recompute["saved_bytes"]):
+            self.assertIn(f"{value:,} B", readme)
+        self.assertIn(f"**{M.underflow_fraction(M.small_gradients(), torch.float16):.1%}**", readme)
+        measured = M.measure_layer_activations(16, 2, 64, 4)
+        self.assertIn(f"**{measured:,}** B", readme)
+
     def test_unquantized_is_torch_adam_exactly(self):
         batches = M.markov_batches(64, 8, 4, 5, 0)
         ours = M.train_curve("adam32_ours", batches, 32, 2, 1, 8)

@@ -101,6 +101,23 @@ class TestCostModel(unittest.TestCase):
             self.assertGreaterEqual(M.predict_time(self.profile, offload), base)
 
 
+class TestDefaultDemoNumbers(unittest.TestCase):
+    def test_readme_quotes_the_default_configuration(self):
+        args = M.parse_args([])
+        config = M.model_config(args)
+        profile, _ = M.profile_model(config, args.seed, repeats=1)
+        readme = Path(M.__file__).with_name("README.md").read_text()
+        plain = M.OffloadConfig(len(profile.chunk_used), 0)
+        layers = config["layers"]
+        for offload in (plain, M.OffloadConfig(0, 0), M.OffloadConfig(0, layers - 1)):
+            self.assertIn(f"{M.predict_peak(profile, offload):,} B", readme)
+        self.assertIn(f"{int(0.6 * M.predict_peak(profile, plain)):,} B", readme)
+        everything = M.OffloadConfig(0, layers)
+        run = M.train_offloaded(config, everything, 2, args.seed)
+        self.assertIn(f"{run['peak_bytes']:,} measured", readme)
+        self.assertIn(f"{M.count_fetches(profile, M.OffloadConfig(0, 0))} per step", readme)
+
+
 class TestNamedModel(unittest.TestCase):
     def test_readme_numbers(self):
         layout = M.named_model_layout(**M.GPT2_XL)

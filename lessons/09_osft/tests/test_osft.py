@@ -41,6 +41,10 @@ class TestSplit(unittest.TestCase):
 
 
 class TestKernels(unittest.TestCase):
+    def test_readme_quotes_the_orthogonality_demo(self):
+        readme = Path(M.__file__).with_name("README.md").read_text()
+        self.assertIn(f"**{M.train_orthogonal(300, False, 0)['orthogonality_error']:.2f}**", readme)
+
     def test_single_process_checks(self):
         checks, metrics = M.single_process_checks(1)
         for check in checks:
@@ -80,6 +84,8 @@ class TestSharded(unittest.TestCase):
         results = {world: launch(W.sharded, world, device="cpu", timeout_s=120) for world in (1, 2, 4, 5)}
         assert_every_check_passes(self, results)
         self.assertGreater(results[2][0]["metrics"]["v_wrong_gap"], 1e-3)
+        readme = Path(M.__file__).with_name("README.md").read_text()
+        self.assertIn(f"off by **{results[4][0]['metrics']['v_wrong_gap']:.1f}**", readme)
 
     def test_all_reduce_benchmark_runs(self):
         times = launch(W.all_reduce_bench, 2, device="cpu", timeout_s=60)[0]

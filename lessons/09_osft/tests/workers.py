@@ -8,7 +8,7 @@ M = importlib.import_module("lessons.09_osft.main")
 
 
 def sharded(ctx) -> dict:
-    checks, metrics = M.sharded_checks(ctx, 3)
+    checks, metrics = M.sharded_checks(ctx, 0)  # the demo's seed: the README quotes it
     return {"checks": [vars(c) for c in checks], "metrics": metrics}
 
 
