@@ -98,9 +98,9 @@ def train_teacher(config: TeacherConfig) -> MEMORY.TinyGPT:
 def load_or_train_teacher(config: TeacherConfig, teachers_dir: Path) -> tuple[MEMORY.TinyGPT, bool]:
     """The teacher is a run too: trained once per fingerprint, exported (verified), reused."""
     path = teachers_dir / f"teacher-{fingerprint(dataclasses.asdict(config))}.safetensors"
-    teacher = make_teacher(config)
     if path.exists():
         from safetensors.torch import load_file
+        teacher = make_teacher(config)
         teacher.load_state_dict(load_file(path))
         return teacher.eval(), True
     teacher = train_teacher(config)
@@ -172,6 +172,13 @@ def make_student(teacher: MEMORY.TinyGPT, kind: str, teacher_config: TeacherConf
     hidden, heads = teacher_config.hidden, teacher_config.heads
     student.layers = nn.ModuleList(make_student_block(kind, layer, hidden, heads) for layer in teacher.layers)
     return student
+
+
+def initial_block(run: RunConfig, teacher: MEMORY.TinyGPT, index: int) -> nn.Module:
+    """Student block `index` as every run starts it (blockwise or end to end): its own seed,
+    so it does not depend on which rank builds it or in which order."""
+    torch.manual_seed(run.teacher.seed * 100 + index)
+    return make_student_block(run.kind, teacher.layers[index], run.teacher.hidden, run.teacher.heads)
 
 
 def normalized_mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -256,8 +263,7 @@ def train_block(run: RunConfig, run_dir: Path, index: int, teacher: MEMORY.TinyG
     directory = block_dir(run_dir, index)
     if (directory / "done.json").exists():
         return {"block": index, "status": "skipped", **json.loads((directory / "done.json").read_text())}
-    torch.manual_seed(run.teacher.seed * 100 + index)
-    block = make_student_block(run.kind, teacher.layers[index], run.teacher.hidden, run.teacher.heads)
+    block = initial_block(run, teacher, index)
     optimizer = torch.optim.AdamW(block.parameters(), lr=run.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, CKPT.cosine_with_warmup(run.warmup, run.steps))
     state, start, losses = load_block(directory), 0, []
@@ -267,13 +273,13 @@ def train_block(run: RunConfig, run_dir: Path, index: int, teacher: MEMORY.TinyG
         scheduler.load_state_dict(state["scheduler"])
         start, losses = state["step"], list(state["losses"])
     data = batches(run.teacher, run.steps, 1)
+    io_cache = {} if io_cache is None else io_cache
+    teacher_name = fingerprint(dataclasses.asdict(run.teacher))
     for step in range(start, run.steps):
-        key = (fingerprint(dataclasses.asdict(run.teacher)), run.steps, step, index)
-        if io_cache is None or key not in io_cache:
-            states = teacher_block_io(teacher, data[step][0], upto=index)
-            if io_cache is not None:
-                io_cache[key] = states
-        states = io_cache[key] if io_cache is not None else states
+        key = (teacher_name, run.steps, step, index)
+        if key not in io_cache:
+            io_cache[key] = teacher_block_io(teacher, data[step][0], upto=index)
+        states = io_cache[key]
         loss = normalized_mse(block(states[index]), states[index + 1])
         optimizer.zero_grad()
         loss.backward()
@@ -306,7 +312,7 @@ def distill_worker(ctx: RankContext, jobs: list[dict], teachers_dir: str, fault:
     (its done.json) is skipped whole. Plain results only."""
     inject_fault(ctx, fault, fault_rank)
     torch.set_num_threads(1)  # the same floating-point results for any number of ranks
-    out, io_cache = [], {}
+    out, io_cache, teachers = [], {}, {}
     for job in jobs:
         spec = job["run"]
         run = RunConfig(**{**spec, "teacher": TeacherConfig(**spec["teacher"])})
@@ -315,7 +321,9 @@ def distill_worker(ctx: RankContext, jobs: list[dict], teachers_dir: str, fault:
         if (run_dir / "done.json").exists():
             out.append({"fingerprint": run.fingerprint(), "status": "skipped", "blocks": []})
             continue
-        teacher, _ = load_or_train_teacher(run.teacher, Path(teachers_dir))
+        if run.teacher not in teachers:  # read each teacher file once per rank
+            teachers[run.teacher] = load_or_train_teacher(run.teacher, Path(teachers_dir))[0]
+        teacher = teachers[run.teacher]
         blocks = [train_block(run, run_dir, index, teacher, job.get("stop_after"), io_cache)
                   for index in range(ctx.rank, run.teacher.layers, ctx.world_size)]
         for result in blocks:
@@ -391,12 +399,10 @@ def evaluate(model: MEMORY.TinyGPT, teacher: MEMORY.TinyGPT, config: TeacherConf
 def train_end_to_end(run: RunConfig, teacher: MEMORY.TinyGPT) -> MEMORY.TinyGPT:
     """The baseline for the same compute: the same student, the same initialisation, the same
     number of steps and LR schedule, trained on the teacher's logits (KL) end to end."""
-    torch.manual_seed(run.teacher.seed * 100)
-    student = make_student(teacher, run.kind, run.teacher)
-    for index, layer in enumerate(student.layers):  # the blockwise runs' initialisation
-        torch.manual_seed(run.teacher.seed * 100 + index)
-        layer.load_state_dict(make_student_block(run.kind, teacher.layers[index], run.teacher.hidden,
-                                                 run.teacher.heads).state_dict())
+    student = make_teacher(run.teacher)
+    student.load_state_dict(teacher.state_dict())
+    student.layers = nn.ModuleList(initial_block(run, teacher, index)  # the blockwise runs' start
+                                   for index in range(run.teacher.layers))
     for part in (student.embed, student.pos, student.norm):
         part.requires_grad_(False)  # blockwise training does not touch them either
     trainable = [p for p in student.parameters() if p.requires_grad]
