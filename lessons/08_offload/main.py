@@ -82,10 +82,14 @@ class OffloadGPT(nn.Module):
         return [self.embed.weight, self.pos.weight, self.norm.weight, self.norm.bias]
 
 
+def _device_of(config: dict) -> str:
+    return config.get("device", "cpu")
+
+
 def make_model(config: dict, seed: int) -> OffloadGPT:
     torch.manual_seed(seed)
     return OffloadGPT(config["vocab"], config["hidden"], config["heads"], config["layers"],
-                      config["seq"]).to(config.get("device", "cpu"))
+                      config["seq"]).to(_device_of(config))
 
 
 # ============================================================================ 1. chunks
@@ -238,8 +242,6 @@ class ChunkManager:
         self.buffers = [torch.zeros(chunk_numel, device=self.device) for _ in range(n_buffers)]
         self.pool = BufferPool(n_buffers)
         self.chunk_in_buffer: dict[int, int] = {}
-        for flat in self.flat:
-            flat.requires_grad_(False)
         self.device_params = model.fixed_parameters() + self.flat[:config.n_persist]
         self.host_params = self.flat[config.n_persist:]
         for flat, grad in zip(self.flat, self.grad):
@@ -366,10 +368,9 @@ class ChunkManager:
 
     def final_weights(self) -> list[torch.Tensor]:
         """Every parameter's values, in model.parameters() order, read from where they live."""
-        by_id = {id(s.param): s for s in self.slots}
         weights = []
         for param in self.model.parameters():
-            slot = by_id.get(id(param))
+            slot = self.slot_of.get(id(param))
             weights.append(param.detach().cpu().clone() if slot is None else
                            self._view(self.flat[slot.chunk], slot).detach().cpu().clone())
         return weights
@@ -378,7 +379,7 @@ class ChunkManager:
 def markov_batches(config: dict, steps: int, seed: int) -> list[tuple]:
     """Lesson 07's synthetic language, on the model's device."""
     batches = MEMORY.markov_batches(config["vocab"], config["seq"], config["batch"], steps, seed)
-    return [tuple(t.to(config.get("device", "cpu")) for t in batch) for batch in batches]
+    return [tuple(t.to(_device_of(config)) for t in batch) for batch in batches]
 
 
 def train_plain(config: dict, steps: int, seed: int, lr: float = 1e-3) -> dict:
@@ -401,7 +402,7 @@ def train_offloaded(config: dict, offload: OffloadConfig, steps: int, seed: int,
     the start and at three moments (see ChunkManager.step), its peak, its chunk fetches.
     "seconds": the median untracked step after the first (nan with fewer than 3 steps)."""
     model = make_model(config, seed)
-    manager = ChunkManager(model, offload, config["chunk_numel"], lr=lr, device=config.get("device", "cpu"))
+    manager = ChunkManager(model, offload, config["chunk_numel"], lr=lr, device=_device_of(config))
     batches = markov_batches(config, steps, seed)
     losses, seconds = [], []
     for tokens, targets in batches[:-1]:
@@ -580,10 +581,6 @@ def _adam_seconds_per_element(numel: int, device: str, repeats: int) -> float:
     flat.grad = torch.randn_like(flat)
     adam = MEMORY.Adam8bit([flat], min_8bit_numel=math.inf)
     return _best_time(adam.step, repeats) / numel
-
-
-def _device_of(config: dict) -> str:
-    return config.get("device", "cpu")
 
 
 def _best_time(fn, repeats: int) -> float:

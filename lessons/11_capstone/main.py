@@ -445,9 +445,10 @@ def parse_args(argv: list[str] | None = None):
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
-    if args.global_batch % (world * args.accum):
-        parser.error(f"--global-batch {args.global_batch} is not divisible by {world} ranks x "
-                     f"--accum {args.accum}")
+    try:
+        micro_batch_size(args.global_batch, world, args.accum)
+    except ValueError as exc:
+        parser.error(f"--global-batch {args.global_batch}: {exc} (--accum {args.accum})")
     if args.out is None and (args.resume or args.kill_at_step is not None or under_torchrun()):
         parser.error("--out is required with --resume, --kill-at-step and under torchrun (every rank "
                      "must write its shard to the same directory)")
