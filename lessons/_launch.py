@@ -26,6 +26,7 @@ Usage (from a lesson)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -333,6 +334,8 @@ def _join_torchrun(fn: Callable, args: tuple, device_type: str, backend: str,
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu")
+    if device_type == "cpu":
+        torch.set_num_threads(1)  # as a spawned rank: one core each, the same results anywhere
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -352,8 +355,9 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), device: st
     """Run `fn(ctx, *args)` on every rank and return the results, one per rank.
 
     Self-spawns `world_size` processes, or joins the torchrun group when RANK/WORLD_SIZE are
-    set (then `world_size` is taken from the environment). Raises WorkerError naming the
-    failing rank within about `timeout_s` seconds; no child outlives this call.
+    set (then `world_size` is taken from the environment). A CPU rank runs one intra-op thread
+    either way. Raises WorkerError naming the failing rank within about `timeout_s` seconds; no
+    child outlives this call.
     """
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
@@ -384,6 +388,18 @@ def inject_fault(ctx: RankContext, fault: str | None, fault_rank: int) -> None:
     if fault == "exit":
         os._exit(13)
     raise ValueError(f"unknown fault {fault!r}; use one of {FAULTS}")
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run the body with one intra-op thread (what every CPU rank gets), then restore: work in
+    the parent process then gives the same floating-point results on any machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def is_reporting_rank() -> bool:

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lessons._launch import RankContext, inject_fault, is_reporting_rank, launch
+from lessons._launch import RankContext, inject_fault, is_reporting_rank, launch, one_thread
 from lessons._report import (
     Check,
     Report,
@@ -422,12 +422,8 @@ def continual_learning(seed: int, steps: int, rank_ratio: float = 0.75) -> dict:
     trunk, or OSFT of the trunk (top singular directions frozen). Head A is frozen in both.
     Forgetting = task-A accuracy before task B - after. One thread: the same numbers on every
     machine's thread count (the README quotes them)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         return _continual_learning(seed, steps, rank_ratio)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _continual_learning(seed: int, steps: int, rank_ratio: float) -> dict:
@@ -544,7 +540,6 @@ def bench_all_reduce_worker(ctx: RankContext, n_modules: int, numel: int, repeat
 
 def verify_worker(ctx: RankContext, seed: int, cl_steps: int, fault: str | None, fault_rank: int) -> dict:
     inject_fault(ctx, fault, fault_rank)
-    torch.set_num_threads(1)
     checks, metrics = single_process_checks(seed)
     shard_checks, shard_metrics = sharded_checks(ctx, seed)
     checks += shard_checks

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lessons._launch import RankContext, inject_fault, launch
+from lessons._launch import RankContext, inject_fault, launch, one_thread
 from lessons._report import Check, Report, check_args, finish, int_in, lesson_parser, run_main
 
 LESSON = "10_bypass_distillation"
@@ -311,7 +311,6 @@ def distill_worker(ctx: RankContext, jobs: list[dict], teachers_dir: str, fault:
     (its configuration) in a runs directory, optionally killed after a step. A finished run
     (its done.json) is skipped whole. Plain results only."""
     inject_fault(ctx, fault, fault_rank)
-    torch.set_num_threads(1)  # the same floating-point results for any number of ranks
     out, io_cache, teachers = [], {}, {}
     for job in jobs:
         spec = job["run"]
@@ -576,12 +575,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="bld-"))  # the demo replays a kill: always fresh
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the teacher and the evaluation give the same numbers everywhere
     try:
-        checks, metrics = demo(args, scratch / "runs", scratch)
+        with one_thread():  # the teacher and the evaluation give the same numbers everywhere
+            checks, metrics = demo(args, scratch / "runs", scratch)
     finally:
-        torch.set_num_threads(threads)
         shutil.rmtree(scratch, ignore_errors=True)
     metrics["headline"] = (f"stitched KL to teacher: mlp1 {metrics['stitched_mlp1']['kl']:.4f}, "
                            f"linear {metrics['stitched_linear']['kl']:.4f}")

@@ -306,8 +306,6 @@ def train_worker(ctx: RankContext, config: dict, ckpt_dir: str, save_every: int,
                  resume: bool, reshard: bool, kill_at: int | None, sample_chars: int,
                  fault: str | None, fault_rank: int) -> dict:
     inject_fault(ctx, fault, fault_rank)
-    if ctx.device.type == "cpu":
-        torch.set_num_threads(1)  # one core per rank; bitwise-reproducible runs
     config = RunConfig(**config)
     text = load_text()
     tokenizer = CharTokenizer(text)
