@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import sys
 import time
@@ -68,22 +69,29 @@ def float_in(low: float, high: float | None = None) -> Callable[[str], float]:
 
 
 def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 64) -> argparse.ArgumentParser:
-    """The flags every multi-process lesson shares (COURSE.md, 'main.py')."""
+    """The flags every multi-process lesson shares (COURSE.md, 'main.py').
+
+    A lesson adds its own flags with `parser.add_argument`; `--help` lists them first (under
+    "options"), then the shared run flags, then the plumbing (report, deadline, fault
+    injection) in groups of their own.
+    """
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--world-size", type=int_in(1, max_world_size), default=world_size,
-                        help=f"ranks to spawn on this machine (default {world_size}; "
-                             "ignored under torchrun)")
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                        help="auto: CUDA+NCCL when enough GPUs exist, else CPU+gloo")
-    parser.add_argument("--seed", type=int_in(0), default=0, help="random seed (default 0)")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes (CI, notebooks)")
-    parser.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
-    parser.add_argument("--timeout", type=float_in(1.0, 3600.0), default=60.0,
-                        help="per-rank deadline in seconds (default 60)")
-    parser.add_argument("--fault", choices=FAULTS,
-                        help="make one rank fail on purpose, to see how the run ends")
-    parser.add_argument("--fault-rank", type=int_in(0), default=0,
-                        help="the rank --fault applies to (default 0)")
+    run = parser.add_argument_group("run (every lesson)")
+    run.add_argument("--world-size", type=int_in(1, max_world_size), default=world_size,
+                     help=f"ranks to spawn on this machine (default {world_size}; "
+                          "under torchrun the world size is torchrun's)")
+    run.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                     help="auto: CUDA+NCCL when enough GPUs exist, else CPU+gloo")
+    run.add_argument("--seed", type=int_in(0), default=0, help="random seed (default 0)")
+    run.add_argument("--quick", action="store_true", help="smaller sizes (CI, notebooks)")
+    plumbing = parser.add_argument_group("report and failure handling (every lesson)")
+    plumbing.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
+    plumbing.add_argument("--timeout", type=float_in(1.0, 3600.0), default=60.0,
+                          help="per-rank deadline in seconds (default 60)")
+    plumbing.add_argument("--fault", choices=FAULTS,
+                          help="make one rank fail on purpose, to see how the run ends")
+    plumbing.add_argument("--fault-rank", type=int_in(0), default=0,
+                          help="the rank --fault applies to (default 0)")
     return parser
 
 
@@ -165,6 +173,16 @@ def finish(report: Report, json_path: Path | None, started: float) -> int:
             json_path.parent.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
     return 0 if report.passed else 1
+
+
+def run_harness(main_file: str, harness: str = "checks") -> None:
+    """What a lesson's `main.py` does when run as a script: import its sibling harness module
+    (`lessons.NN_slug.checks`) by package name and run that module's `main()` through
+    `run_main`. The technique file stays free of checks and CLI code."""
+    folder = Path(main_file).resolve().parent
+    package = ".".join(folder.relative_to(Path(__file__).resolve().parent.parent).parts)
+    module = importlib.import_module(f"{package}.{harness}")
+    run_main(module.main)
 
 
 def run_main(body: Callable[[], int]) -> None:

@@ -4,10 +4,21 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
 import unittest
 from collections.abc import Callable
+from pathlib import Path
 
 from lessons._report import merge_rank_checks
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def assert_every_check_passes(case: unittest.TestCase, results_by_world: dict[int, list[dict]]) -> None:
@@ -29,3 +40,63 @@ def assert_argument_error(case: unittest.TestCase, parse_args: Callable, argv: l
     case.assertEqual(len(errors), 1, stderr.getvalue())
     case.assertIn(fragment, errors[0])
     return stderr.getvalue()
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bind to port 0, read it, close): for torchrun's
+    rendezvous endpoint in tests, so two test runs on one machine never share a fixed port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_under_torchrun(script: Path, args: list[str], nproc_per_node: int = 2, nnodes: int = 1,
+                       timeout: float = 240.0) -> dict:
+    """Run a lesson's main.py under torchrun on this machine's CPUs and return its `--json`
+    report (written by global rank 0).
+
+    nnodes=1: `torchrun --standalone --nproc-per-node=N`. nnodes=2: two torchrun processes on
+    loopback, as two nodes would run them (`--nnodes=2 --node-rank=i`, c10d rendezvous on
+    127.0.0.1 at a free port). Raises AssertionError with the tail of every process's output
+    when any exits non-zero; every process is killed at `timeout`.
+    """
+    with tempfile.TemporaryDirectory(prefix="dtfs-torchrun-") as tmp:
+        report = Path(tmp) / "report.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": _loopback_name()}
+        base = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+        lesson_args = [str(script), *args, "--device", "cpu", "--json", str(report)]
+        if nnodes == 1:
+            commands = [[*base, "--standalone", *lesson_args]]
+        else:
+            endpoint = f"127.0.0.1:{free_port()}"
+            commands = [[*base, f"--nnodes={nnodes}", f"--node-rank={node}", "--rdzv-backend=c10d",
+                         f"--rdzv-endpoint={endpoint}", f"--rdzv-id=test-{os.getpid()}",
+                         f"--rdzv-conf=is_host={1 if node == 0 else 0}", "--max-restarts=0",
+                         *lesson_args] for node in range(nnodes)]
+        procs = [subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                 for command in commands]
+        outputs = []
+        try:
+            deadline = time.monotonic() + timeout
+            for proc in procs:
+                try:
+                    outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+                except subprocess.TimeoutExpired:
+                    outputs.append(f"(killed after {timeout:g} s)")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.communicate()
+        codes = [proc.returncode for proc in procs]
+        if any(code != 0 for code in codes) or not report.exists():
+            tails = "\n".join(f"--- torchrun node {node} (exit {code}):\n{output[-3000:]}"
+                              for node, (code, output) in enumerate(zip(codes, outputs)))
+            raise AssertionError(f"torchrun run failed: {' '.join(lesson_args)}\n{tails}")
+        return json.loads(report.read_text())
+
+
+def _loopback_name() -> str:
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), "lo")

@@ -19,6 +19,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = Path(__file__).resolve().parent / "schema.json"
 LETTERS = "ABCDEFGH"
 MIN_NUMERIC = 2
+# A learner must not score by picking the longest option or a favourite letter (COURSE.md):
+MAX_LONGEST_KEYED_COURSE = 0.30  # keyed option strictly longest, share of single-choice, course
+MAX_LONGEST_KEYED_LESSON = 0.50  # ... and within any one quiz
+MAX_POSITION_SHARE = 0.35  # of single-choice keys on one letter, course-wide
 
 
 class QuizError(ValueError):
@@ -103,6 +107,60 @@ def semantic_errors(quiz: dict, file: str, sections: set[str] | None = None) -> 
     return problems
 
 
+def keyed_is_strictly_longest(question: dict) -> bool:
+    """True when a single-choice question's correct option is longer than every wrong one."""
+    options = question.get("options", [])
+    keyed = [len(o["text"]) for o in options if o.get("correct")]
+    others = [len(o["text"]) for o in options if not o.get("correct")]
+    return len(keyed) == 1 and bool(others) and keyed[0] > max(others)
+
+
+def balance_stats(quizzes: list[dict]) -> dict:
+    """Over the single-choice questions of `quizzes`: how many there are, in how many the keyed
+    option is strictly the longest, and how many keys sit at each position (A, B, ...)."""
+    singles = [q for quiz in quizzes for q in quiz.get("questions", []) if q.get("type") == "single"]
+    positions: dict[str, int] = {}
+    for question in singles:
+        for index, option in enumerate(question.get("options", [])):
+            if option.get("correct"):
+                positions[LETTERS[index]] = positions.get(LETTERS[index], 0) + 1
+    return {"single": len(singles),
+            "longest_keyed": sum(keyed_is_strictly_longest(q) for q in singles),
+            "positions": dict(sorted(positions.items()))}
+
+
+def balance_errors(quiz: dict, file: str) -> list[Problem]:
+    """One quiz's balance rule: the keyed option is strictly the longest in at most half of
+    its single-choice questions."""
+    stats = balance_stats([quiz])
+    if stats["single"] and stats["longest_keyed"] > MAX_LONGEST_KEYED_LESSON * stats["single"]:
+        return [Problem(file, "$.questions", f"the correct option is the longest in "
+                                             f"{stats['longest_keyed']} of {stats['single']} "
+                                             f"single-choice questions (at most "
+                                             f"{MAX_LONGEST_KEYED_LESSON:.0%}): make right and wrong "
+                                             f"options alike in length")]
+    return []
+
+
+def course_balance_errors(quizzes: dict[str, dict]) -> list[Problem]:
+    """Course-wide rules over every quiz (file name -> quiz): the keyed option is strictly the
+    longest in at most 30% of single-choice questions, and no position holds more than 35% of
+    the keys."""
+    stats = balance_stats(list(quizzes.values()))
+    problems = []
+    if stats["single"] and stats["longest_keyed"] > MAX_LONGEST_KEYED_COURSE * stats["single"]:
+        problems.append(Problem("course", "$", f"the correct option is the longest in "
+                                               f"{stats['longest_keyed']} of {stats['single']} "
+                                               f"single-choice questions (at most "
+                                               f"{MAX_LONGEST_KEYED_COURSE:.0%})"))
+    for letter, count in stats["positions"].items():
+        if stats["single"] and count > MAX_POSITION_SHARE * stats["single"]:
+            problems.append(Problem("course", "$", f"option {letter} is the answer of {count} of "
+                                                   f"{stats['single']} single-choice questions "
+                                                   f"(at most {MAX_POSITION_SHARE:.0%})"))
+    return problems
+
+
 def problems_in(path: Path) -> list[Problem]:
     """Every problem of one quiz file: JSON syntax, schema, then the semantic rules."""
     file = str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
@@ -121,7 +179,7 @@ def problems_in(path: Path) -> list[Problem]:
         problems.append(Problem(file, "$.lesson", f"{quiz['lesson']!r} but the quiz lives in "
                                                   f"{path.parent.name}"))
     sections = readme_sections(path.parent) if (path.parent / "README.md").exists() else None
-    return problems + semantic_errors(quiz, file, sections)
+    return problems + semantic_errors(quiz, file, sections) + balance_errors(quiz, file)
 
 
 def load_quiz(path: Path) -> dict:

@@ -1,14 +1,22 @@
-"""`python -m quizzes take 01 [--answers B,AC,6144,...]` and `python -m quizzes check [FILES]`."""
+"""`python -m quizzes take 01 [--answers B,AC,6144,...]` and `python -m quizzes check [FILES]`.
+
+`check` validates each quiz (schema, semantic rules, the keyed option strictly longest in at
+most half of a quiz's single-choice questions); with no FILES it checks every lesson's quiz
+and the course-wide balance: keyed option strictly longest in at most 30% of single-choice
+questions, no answer letter holding more than 35% of the keys."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from quizzes import (
     LETTERS,
     QuizError,
+    balance_stats,
+    course_balance_errors,
     feedback,
     find_quiz,
     is_correct,
@@ -86,6 +94,13 @@ def check(files: list[Path]) -> int:
         print("error: no quiz files found", file=sys.stderr)
         return 1
     problems = [problem for path in paths for problem in problems_in(path)]
+    if not files:  # the whole course: the course-wide balance rules too
+        quizzes = {str(path): json.loads(path.read_text()) for path in paths}
+        problems += course_balance_errors(quizzes)
+        stats = balance_stats(list(quizzes.values()))
+        print(f"course: correct option longest in {stats['longest_keyed']} of {stats['single']} "
+              f"single-choice questions; keys by position "
+              + ", ".join(f"{k} {v}" for k, v in stats["positions"].items()))
     for problem in problems:
         print(problem)
     print(f"{len(paths)} quiz file(s) checked, {len(problems)} problem(s)")

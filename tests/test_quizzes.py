@@ -11,7 +11,7 @@ import unittest
 from pathlib import Path
 
 from quizzes import LETTERS, find_quiz, is_correct, load_quiz, parse_answer, problems_in
-from tests._course import REPO_ROOT, lesson_module, lessons
+from tests._course import REPO_ROOT, lesson_modules, lessons, lookup
 
 
 def correct_answers(quiz: dict) -> list[str]:
@@ -38,14 +38,16 @@ class TestEveryQuiz(unittest.TestCase):
 
     def test_numeric_answers_are_recomputed_from_main_py(self):
         for lesson in lessons():
-            module = lesson_module(lesson)
+            modules = lesson_modules(lesson)
             quiz = load_quiz(REPO_ROOT / lesson["paths"]["quiz"])
             for question in quiz["questions"]:
                 if question["type"] != "numeric":
                     continue
                 with self.subTest(lesson=lesson["id"], question=question["id"]):
                     spec = question["check"]
-                    value = getattr(module, spec["function"])(**spec["kwargs"])
+                    function = lookup(modules, spec["function"])
+                    self.assertTrue(callable(function), f"{spec['function']} is not in the lesson")
+                    value = function(**spec["kwargs"])
                     if "index" in spec:
                         value = value[spec["index"]]
                     value *= spec.get("scale", 1)
