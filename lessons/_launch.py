@@ -2,11 +2,16 @@
 
 Process lifecycle is where distributed teaching code usually breaks, so it lives here once:
 
-* **Self-spawn** (the laptop path): `world_size` children are started with the *spawn* start
-  method. They meet through a rendezvous *file* in a fresh temporary directory (never a fixed
-  port), so two runs on one machine cannot collide.
+* **Self-spawn** (the laptop path): `world_size` children are started from a *forkserver* that
+  imported torch once (`import torch` costs seconds of CPU per process; a fork of a process
+  that already holds it costs milliseconds), falling back to the *spawn* start method where
+  forkserver does not exist (`COURSE_START_METHOD=spawn` forces it). The forkserver is a fresh
+  interpreter that never touches CUDA, so ranks may use CUDA. Ranks meet through a rendezvous
+  *file* in a fresh temporary directory (never a fixed port), so two runs cannot collide.
 * **Join torchrun** (the GPU-box path): when RANK and WORLD_SIZE are set, the current process
-  *is* one rank; it joins the existing group (env:// rendezvous) instead of spawning.
+  *is* one rank; it joins the group (env:// rendezvous) instead of spawning. The group is
+  created once per process (with `device_id` on CUDA) and destroyed at exit, however many
+  times a lesson calls `launch()`.
 * **Deadlines everywhere**: every child has a process-group timeout and a faulthandler alarm
   that dumps its stacks and exits; it also exits if its parent disappears. The parent polls its
   children, and on the first failure (exception, non-zero exit, signal) or at the deadline it
@@ -26,11 +31,14 @@ Usage (from a lesson)::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
 import faulthandler
 import importlib
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import re
@@ -49,6 +57,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lessons._prewarm import NO_PREWARM as _NO_PREWARM
+from lessons._prewarm import PRELOAD as _PRELOAD
+from lessons._prewarm import prewarm, start_method  # noqa: F401 (both part of the API)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT_S = 120.0
@@ -87,19 +99,25 @@ def under_torchrun() -> bool:
 def choose_device(requested: str, world_size: int) -> tuple[str, str]:
     """Map `--device {auto,cpu,cuda}` to (device type, backend).
 
-    auto -> ("cuda", "nccl") when at least `world_size` GPUs are visible (or under torchrun with
-    any GPU), else ("cpu", "gloo"). Asking for cuda without enough GPUs is a ValueError.
+    auto -> ("cuda", "nccl") when at least one GPU per local rank is visible (`world_size` GPUs
+    for self-spawn; torchrun's --nproc-per-node on this node), else ("cpu", "gloo"). Asking for
+    cuda without enough GPUs is a ValueError with a one-line reason. Only counts devices: the
+    parent process never initialises CUDA.
     """
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"unknown device {requested!r}: use auto, cpu or cuda")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    needed = 1 if under_torchrun() else world_size
     if requested == "cpu":
         return "cpu", "gloo"
+    gpus = torch.cuda.device_count()
+    if under_torchrun():
+        needed = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        what = f"torchrun --nproc-per-node={needed} needs {needed} GPU(s) on this node"
+    else:
+        needed, what = world_size, f"--device cuda with {world_size} rank(s) needs {world_size} GPU(s)"
     if gpus >= needed:
         return "cuda", "nccl"
     if requested == "cuda":
-        raise ValueError(f"--device cuda needs {needed} GPU(s), found {gpus}")
+        raise ValueError(f"{what}, found {gpus}")
     return "cpu", "gloo"
 
 
@@ -139,9 +157,17 @@ def _check_plain(value: Any, where: str = "result") -> None:
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit this child when its parent is gone (a killed launcher must not leave orphans)."""
-    while True:
-        if os.getppid() != parent_pid:
+    """Exit this child when the launching process is gone (a killed launcher must not leave
+    orphans). A forkserver child's OS parent is the forkserver, so watch the launcher itself:
+    multiprocessing's parent sentinel closes when the launcher dies (spawn and forkserver)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.sentinel is not None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(3)
+    while True:  # no sentinel: poll the launcher's pid
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
             os._exit(3)
         time.sleep(0.2)
 
@@ -155,10 +181,13 @@ def _child_main(rank: int, spec: dict) -> None:
     faulthandler.dump_traceback_later(spec["timeout_s"], exit=True, file=stack_file)
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
     try:
+        os.environ.update(spec["env"])  # a forkserver child has the server's environment
+        device = torch.device("cpu")
         if spec["device_type"] == "cpu":
             torch.set_num_threads(1)
         if spec["device_type"] == "cuda":
-            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
         module = importlib.import_module(spec["module"])
         fn = getattr(module, spec["name"])
         dist.init_process_group(
@@ -167,10 +196,9 @@ def _child_main(rank: int, spec: dict) -> None:
             rank=rank,
             world_size=spec["world_size"],
             timeout=datetime.timedelta(seconds=spec["timeout_s"]),
+            device_id=device if device.type == "cuda" else None,
         )
-        ctx = RankContext(rank, spec["world_size"], torch.device(spec["device_type"], rank)
-                          if spec["device_type"] == "cuda" else torch.device("cpu"),
-                          spec["backend"], "spawn")
+        ctx = RankContext(rank, spec["world_size"], device, spec["backend"], "spawn")
         result = fn(ctx, *spec["args"])
         _check_plain(result)
         dist.barrier()  # nobody closes its sockets while a peer may still be receiving
@@ -227,21 +255,23 @@ def _kill_all(processes: list) -> None:
 
 
 def _spawn(fn: Callable, world_size: int, args: tuple, device_type: str, backend: str,
-           timeout_s: float) -> list[Any]:
+           timeout_s: float, method: str) -> list[Any]:
     module, name = _importable(fn)
     run_dir = Path(tempfile.mkdtemp(prefix="dtfs-run-"))
-    spec = {
-        "module": module, "name": name, "args": args, "run_dir": str(run_dir),
-        "world_size": world_size, "device_type": device_type, "backend": backend,
-        "timeout_s": timeout_s, "parent_pid": os.getpid(),
-    }
-    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    child_env = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", _NO_PREWARM: "1"}
     loopback = _loopback_interface()
     if loopback and backend == "gloo":
         child_env["GLOO_SOCKET_IFNAME"] = loopback
+    spec = {
+        "module": module, "name": name, "args": args, "run_dir": str(run_dir),
+        "world_size": world_size, "device_type": device_type, "backend": backend,
+        "timeout_s": timeout_s, "parent_pid": os.getpid(), "env": child_env,
+    }
     saved_env = {key: os.environ.get(key) for key in child_env}
     os.environ.update(child_env)  # spawned children inherit the environment at start
-    ctx = mp.get_context("spawn")
+    if method == "forkserver":
+        multiprocessing.set_forkserver_preload(_PRELOAD)
+    ctx = mp.get_context(method)
     processes = []
     try:
         for rank in range(world_size):
@@ -329,35 +359,45 @@ def _raise_root_cause(processes: list, run_dir: Path, timeout_s: float) -> None:
 # ----------------------------------------------------------------------------- torchrun side
 
 
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _join_torchrun(fn: Callable, args: tuple, device_type: str, backend: str,
                    timeout_s: float) -> list[Any]:
+    """Run `fn` as this torchrun process's rank. The default group is created on the first
+    call and kept for the next ones (a lesson may launch several times), destroyed at exit."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cpu")
     if device_type == "cpu":
         torch.set_num_threads(1)  # as a spawned rank: one core each, the same results anywhere
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    try:
-        result = fn(RankContext(rank, world_size, device, backend, "torchrun"), *args)
-        _check_plain(result)
-        gathered: list[Any] = [None] * world_size
-        dist.all_gather_object(gathered, result)
-        return gathered
-    finally:
-        dist.destroy_process_group()
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+        atexit.register(_destroy_group)
+    elif dist.get_backend() != backend:
+        raise RuntimeError(f"this torchrun process already joined a {dist.get_backend()} group; "
+                           f"it cannot switch to {backend} (one --device per run)")
+    result = fn(RankContext(rank, world_size, device, backend, "torchrun"), *args)
+    _check_plain(result)
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, result)
+    return gathered
 
 
 def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), device: str = "auto",
-           timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+           timeout_s: float = DEFAULT_TIMEOUT_S, method: str | None = None) -> list[Any]:
     """Run `fn(ctx, *args)` on every rank and return the results, one per rank.
 
-    Self-spawns `world_size` processes, or joins the torchrun group when RANK/WORLD_SIZE are
-    set (then `world_size` is taken from the environment). A CPU rank runs one intra-op thread
-    either way. Raises WorkerError naming the failing rank within about `timeout_s` seconds; no
-    child outlives this call.
+    Starts `world_size` processes (`method`: "forkserver" or "spawn", default `start_method()`),
+    or joins the torchrun group when RANK/WORLD_SIZE are set (then `world_size` is taken from
+    the environment). A CPU rank runs one intra-op thread either way. Raises WorkerError naming
+    the failing rank within about `timeout_s` seconds; no child outlives this call.
     """
     if under_torchrun():
         world_size = int(os.environ["WORLD_SIZE"])
@@ -366,7 +406,7 @@ def launch(fn: Callable[..., Any], world_size: int, args: tuple = (), device: st
     device_type, backend = choose_device(device, world_size)
     if under_torchrun():
         return _join_torchrun(fn, args, device_type, backend, timeout_s)
-    return _spawn(fn, world_size, args, device_type, backend, timeout_s)
+    return _spawn(fn, world_size, args, device_type, backend, timeout_s, method or start_method())
 
 
 FAULTS = ("crash", "hang", "exit")
@@ -405,3 +445,4 @@ def one_thread():
 def is_reporting_rank() -> bool:
     """True in the process that should print the report (the parent, or torchrun's rank 0)."""
     return not under_torchrun() or int(os.environ["RANK"]) == 0
+

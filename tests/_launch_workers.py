@@ -11,7 +11,13 @@ import torch.distributed as dist
 def sum_ranks(ctx):
     value = torch.tensor([ctx.rank + 1])
     dist.all_reduce(value)
-    return {"rank": ctx.rank, "total": int(value), "pid": os.getpid()}
+    return {"rank": ctx.rank, "total": int(value), "pid": os.getpid(),
+            "threads": torch.get_num_threads(), "gloo_ifname": os.environ.get("GLOO_SOCKET_IFNAME")}
+
+
+def group_id(ctx):
+    """Which default group this rank is in (its Python object), to see that launch() reuses it."""
+    return id(dist.group.WORLD)
 
 
 def crash_on(ctx, bad_rank):
@@ -39,3 +45,20 @@ def die_on(ctx, bad_rank):
 
 def return_tensor(ctx):
     return {"weights": torch.zeros(2)}
+
+
+if __name__ == "__main__":  # run by torchrun in tests/test_launch.py: two launches, one group
+    import atexit
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from lessons._launch import launch
+
+    # atexit runs last-registered first: this check runs after the launcher's destroy
+    atexit.register(lambda: print("same group in both launches, destroyed at exit"
+                                  if not dist.is_initialized() else "group left open"))
+    first = launch(group_id, 0, device="cpu")
+    second = launch(group_id, 0, device="cpu")
+    assert first == second, (first, second)
+    assert dist.is_initialized()

@@ -11,6 +11,7 @@ import sys
 import time
 import unittest
 from pathlib import Path
+from unittest import mock
 
 from lessons._launch import WorkerError, choose_device, launch
 from tests import _launch_workers as workers
@@ -41,15 +42,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def spawned_workers(pid: int) -> list[int]:
-    """Descendants that are multiprocessing spawn children (not the resource tracker)."""
-    alive = []
-    for child in descendants(pid):
-        try:
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                alive.append(child)
-        except OSError:
-            pass
-    return alive
+    """Descendants that are launcher ranks: processes holding a rank's stack file open (forked
+    from the forkserver or spawned; not the forkserver itself, not the resource tracker)."""
+    return [child for child in descendants(pid) if rank_of(child) is not None]
 
 
 def rank_of(pid: int) -> int | None:
@@ -113,6 +108,34 @@ class TestLauncherFailures(unittest.TestCase):
             launch(workers.return_tensor, 2, device="cpu", timeout_s=30)
         self.assertIn("torch.Tensor", str(caught.exception))
         self.assert_no_workers_left()
+
+    def test_both_start_methods_give_the_same_results(self):
+        for method in ("forkserver", "spawn"):
+            with self.subTest(method=method):
+                results = launch(workers.sum_ranks, 2, device="cpu", timeout_s=60, method=method)
+                self.assertEqual([r["total"] for r in results], [3, 3])
+                self.assertEqual([r["threads"] for r in results], [1, 1])
+                self.assertEqual({r["gloo_ifname"] for r in results}, {"lo"})
+        self.assert_no_workers_left()
+
+    def test_start_method_from_the_environment(self):
+        from lessons._launch import start_method
+        with mock.patch.dict(os.environ, {"COURSE_START_METHOD": "spawn"}):
+            self.assertEqual(start_method(), "spawn")
+        with mock.patch.dict(os.environ, {"COURSE_START_METHOD": "fork"}), \
+                self.assertRaises(ValueError):
+            start_method()
+
+    def test_cuda_under_torchrun_needs_a_gpu_per_local_rank(self):
+        env = {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+        with mock.patch.dict(os.environ, env), mock.patch("torch.cuda.device_count", return_value=1):
+            with self.assertRaises(ValueError) as caught:
+                choose_device("cuda", 4)
+            self.assertEqual(str(caught.exception),
+                             "torchrun --nproc-per-node=2 needs 2 GPU(s) on this node, found 1")
+            self.assertEqual(choose_device("auto", 4), ("cpu", "gloo"))
+        with mock.patch.dict(os.environ, env), mock.patch("torch.cuda.device_count", return_value=2):
+            self.assertEqual(choose_device("auto", 4), ("cuda", "nccl"))
 
     def test_bad_arguments(self):
         with self.assertRaises(ValueError):
@@ -186,6 +209,16 @@ class TestKillOneWorkerOfTheDemo(unittest.TestCase):
 
 class TestTorchrun(unittest.TestCase):
     """Under torchrun the lesson joins the group torchrun made instead of spawning."""
+
+    def test_the_group_is_created_once_per_process(self):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             str(REPO_ROOT / "tests" / "_launch_workers.py")],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+            env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.assertEqual(proc.returncode, 0, proc.stdout[-2000:] + proc.stderr[-2000:])
+        self.assertEqual(proc.stdout.count("same group in both launches, destroyed at exit"), 2,
+                         proc.stdout)
 
     def test_lesson01_under_torchrun(self):
         import json
