@@ -44,7 +44,8 @@ class TestCourseCommands(unittest.TestCase):
     def test_course_run_one_lesson(self):
         with tempfile.TemporaryDirectory() as tmp:
             summary = Path(tmp) / "summary.json"
-            proc = run("-m", "course", "run", "01", "--json", str(summary))
+            proc = run("-m", "course", "run", "01", "--json", str(summary), "--demo-args",
+                       "--device cpu")
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
             data = json.loads(summary.read_text())
         self.assertTrue(data["passed"])
@@ -66,6 +67,21 @@ class TestCourseCommands(unittest.TestCase):
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
         self.assertIn("01_collectives", proc.stdout)
         self.assertIn("PASS", proc.stdout)
+
+    def test_gpu_suite_is_blocked_without_a_gpu(self):
+        # the CPU suite hides every GPU (conftest.py), so the GPU suite must say "blocked"
+        proc = run("-m", "course", "gpu", "01", timeout=120)
+        self.assertEqual(proc.returncode, 2, proc.stdout + proc.stderr)
+        self.assertIn("the GPU suite is blocked", proc.stdout)
+
+    def test_gpu_world_sizes(self):
+        from course.__main__ import gpu_world_size
+        multi = {"default_ranks": 4, "min_ranks": 1}
+        self.assertEqual(gpu_world_size(multi, 1), 1)
+        self.assertEqual(gpu_world_size(multi, 2), 2)
+        self.assertEqual(gpu_world_size(multi, 8), 4)
+        self.assertEqual(gpu_world_size({"default_ranks": 1, "min_ranks": 1}, 8), 1)
+        self.assertIsNone(gpu_world_size({"default_ranks": 4, "min_ranks": 2}, 1))
 
     def test_unknown_lesson_is_an_error(self):
         proc = run("-m", "course", "run", "42")

@@ -1,0 +1,39 @@
+"""pytest's hooks for the whole course.
+
+* The CPU suite never touches a GPU: CUDA devices are hidden from the test process and
+  everything it starts (so `pytest` on a GPU box tests exactly what it tests on a laptop; the
+  GPU suite is `python -m course gpu`).
+* At the end, a table of seconds per lesson suite and per course-wide test module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import defaultdict
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+_SECONDS: dict[str, float] = defaultdict(float)
+_COUNTS: dict[str, int] = defaultdict(int)
+
+
+def _group(nodeid: str) -> str:
+    match = re.match(r"lessons/([^/]+)/", nodeid)
+    return match.group(1) if match else nodeid.split("::")[0]
+
+
+def pytest_runtest_logreport(report):
+    _SECONDS[_group(report.nodeid)] += report.duration
+    if report.when == "call":
+        _COUNTS[_group(report.nodeid)] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SECONDS:
+        return
+    terminalreporter.section("seconds per lesson suite and course-wide module")
+    for group in sorted(_SECONDS):
+        terminalreporter.write_line(f"{group:<42} {_COUNTS[group]:>4} tests {_SECONDS[group]:>8.1f} s")
+    terminalreporter.write_line(f"{'total':<42} {sum(_COUNTS.values()):>4} tests "
+                                f"{sum(_SECONDS.values()):>8.1f} s")
