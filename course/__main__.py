@@ -1,5 +1,6 @@
 """`python -m course run [IDS] [--json PATH]`: run lesson demos, one summary table.
-`python -m course grade [IDS]`: run the lessons' unittest suites, a per-lesson report.
+`python -m course grade [IDS] [--workspace DIR]`: grade by exercise with the lessons' own suites.
+`python -m course exercise NN [--out DIR] [--exercise ID]`: a learner workspace with stubs.
 `python -m course catalog`: validate catalog.json against the schema and the folders.
 `python -m course gpu [IDS]`: the GPU suite: every lesson with --device cuda and every notebook
 on the GPUs present, one report (exit 2 when no GPU is visible: blocked, not passed).
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -28,11 +28,11 @@ def _console() -> Console:
     return Console(highlight=False, width=None if sys.stdout.isatty() else 120)
 
 
-def _run(command: list[str], timeout: float) -> tuple[int, str, float]:
-    """Run a command in the repository root; (exit code, combined output, seconds).
+def _run(command: list[str], timeout: float, cwd: Path = REPO_ROOT) -> tuple[int, str, float]:
+    """Run a command in `cwd` (the repository root); (exit code, combined output, seconds).
     A command past its timeout is killed with its whole process group."""
     started = time.monotonic()
-    proc = subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout)
@@ -80,40 +80,98 @@ def run_demos(keys: list[str], json_path: Path | None, timeout: float, extra: li
     return 1 if failed else 0
 
 
-_RAN = re.compile(r"^Ran (\d+) tests? in ([\d.]+)s", re.M)
-_COUNTS = re.compile(r"(failures|errors|skipped|expected failures|unexpected successes)=(\d+)")
+def grade_lesson(lesson: dict, workspace: Path, timeout: float,
+                 exercise: str | None = None) -> dict:
+    """Run a lesson's suite in `workspace` (the course itself for the reference) through
+    lessons/_grading.py; returns {"criteria": {...}, "tests": [...], "seconds", "error"}."""
+    from lessons._exercises import lesson_exercises
+
+    folder = REPO_ROOT / lesson["folder"]
+    exercises = {e.id: e for e in lesson_exercises(folder)}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "grade.json"
+        command = [sys.executable, "-m", "lessons._grading", lesson["paths"]["tests"], "--json", str(out)]
+        if exercise:
+            command += ["--exercise", exercise]
+        code, output, seconds = _run(command, timeout, cwd=workspace)
+        report = json.loads(out.read_text()) if out.exists() else {"criteria": {}, "tests": []}
+    report["seconds"] = seconds
+    report["error"] = "" if out_ok(code, report) else (output.strip().splitlines() or ["no output"])[-1]
+    for exercise_id in exercises:  # an exercise no test grades cannot pass
+        if exercise is None or exercise == exercise_id:
+            report["criteria"].setdefault(exercise_id, {"outcome": "failed", "tests": 0, "failed": 0,
+                                                        "blocked": 0, "message": "no test grades it"})
+    for exercise_id, entry in report["criteria"].items():
+        entry["points"] = exercises[exercise_id].points if exercise_id in exercises else 0
+        entry["title"] = exercises[exercise_id].title if exercise_id in exercises else \
+            "the lesson as a whole: demo, CLI, docs numbers"
+    return report
 
 
-def grade(keys: list[str], timeout: float) -> int:
+def out_ok(code: int, report: dict) -> bool:
+    return code == 0 and bool(report.get("tests"))
+
+
+def grade(keys: list[str], timeout: float, workspace: Path | None = None,
+          json_path: Path | None = None, exercise: str | None = None) -> int:
+    """Grade each lesson by exercise: passed / failed / blocked and points. Exit 0 iff every
+    runnable criterion passed and nothing was blocked, 1 if something failed (or did not run),
+    3 if nothing failed but something was blocked (a skip is never a pass)."""
     lessons = select_lessons(load_catalog(), keys)
     console = _console()
-    table = Table(title="lesson grades", title_justify="left")
-    for column in ("lesson", "result", "tests", "failed", "errors", "skipped", "seconds"):
-        table.add_column(column)
-    all_ok = True
-    details = []
+    summary = []
+    any_failed = any_blocked = False
     for lesson in lessons:
-        console.print(f"grading {lesson['folder']} ...")
-        code, output, seconds = _run([sys.executable, "-m", "unittest", "discover", "-s",
-                                      lesson["paths"]["tests"], "-t", "."], timeout)
-        ran = _RAN.search(output)
-        tests = int(ran.group(1)) if ran else 0
-        counts = {name: int(value) for name, value in _COUNTS.findall(output.splitlines()[-1]
-                                                                      if output else "")}
-        ok = code == 0 and tests > 0
-        all_ok &= ok
-        table.add_row(lesson["folder"].split("/")[-1], "[green]PASS[/]" if ok else "[red]FAIL[/]",
-                      str(tests), str(counts.get("failures", 0)), str(counts.get("errors", 0)),
-                      str(counts.get("skipped", 0)), f"{seconds:.1f}")
-        if not ok:
-            failing = re.findall(r"^(?:FAIL|ERROR): (.+)$", output, re.M)
-            details.append(f"{lesson['folder']}: " + ("; ".join(failing) if failing else
-                                                       ("no test ran" if not tests else
-                                                        output.strip().splitlines()[-1])))
-    console.print(table)
-    for line in details:
-        console.print(f"[red]{line}[/]")
-    return 0 if all_ok else 1
+        name = lesson["folder"].split("/")[-1]
+        root = workspace or REPO_ROOT
+        console.print(f"grading {name} in {root} ...")
+        report = grade_lesson(lesson, root, timeout, exercise)
+        table = Table(title=f"{name}: {root}", title_justify="left")
+        for column in ("criterion", "points", "result", "tests", "detail"):
+            table.add_column(column, overflow="fold")
+        earned = possible = 0
+        criteria = report["criteria"]
+        order = sorted(criteria, key=lambda key: (key == "integration", key))
+        for key in order:
+            entry = criteria[key]
+            possible += entry["points"]
+            earned += entry["points"] if entry["outcome"] == "passed" else 0
+            colour = {"passed": "green", "failed": "red", "blocked": "yellow"}[entry["outcome"]]
+            table.add_row(key, str(entry["points"]) if key != "integration" else "-",
+                          f"[{colour}]{entry['outcome'].upper()}[/]", str(entry["tests"]),
+                          entry["message"][:300])
+        console.print(table)
+        failed = report["error"] or any(e["outcome"] == "failed" for e in criteria.values())
+        blocked = any(e["outcome"] == "blocked" for e in criteria.values())
+        any_failed |= bool(failed)
+        any_blocked |= blocked
+        if report["error"]:
+            console.print(f"[red]{name}: the suite did not run: {report['error']}[/]")
+        console.print(f"{name}: {earned} of {possible} points in {report['seconds']:.1f} s")
+        summary.append({"lesson": lesson["id"], "folder": lesson["folder"], "points": earned,
+                        "possible": possible, "seconds": round(report["seconds"], 2),
+                        "error": report["error"], "criteria": criteria, "tests": report["tests"]})
+    if json_path:
+        json_path.write_text(json.dumps({"lessons": summary}, indent=2) + "\n")
+    return 1 if any_failed else 3 if any_blocked else 0
+
+
+def make_exercise(key: str, out: Path | None, exercise: str | None) -> int:
+    from lessons._exercises import ExerciseError, lesson_dir, write_workspace
+
+    try:
+        folder = lesson_dir(key)
+        out = out or REPO_ROOT / "workspace" / folder.name
+        exercises = write_workspace(folder, out, {exercise} if exercise else None)
+    except ExerciseError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"workspace for {folder.name} written to {out}")
+    for item in exercises:
+        todo = exercise is None or item.id == exercise
+        print(f"  {item.id:<28} {item.points:>2} points  {'write' if todo else 'given'}: {item.title}")
+    print(f"grade it with: python -m course grade {folder.name[:2]} --workspace {out}")
+    return 0
 
 
 def gpu_count() -> int:
@@ -227,9 +285,18 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--quick", action="store_true", help="pass --quick to every demo")
     run_parser.add_argument("--demo-args", default="", metavar="ARGS",
                             help="more arguments for every demo, e.g. --demo-args='--seed 3'")
-    grade_parser = sub.add_parser("grade", help="run the lessons' unittest suites")
+    grade_parser = sub.add_parser("grade", help="grade lessons by exercise with their own tests")
     grade_parser.add_argument("ids", nargs="*", help="lesson ids; default all")
+    grade_parser.add_argument("--workspace", type=Path, metavar="DIR",
+                              help="a learner workspace (default: the reference solution)")
+    grade_parser.add_argument("--exercise", metavar="ID", help="only this exercise's tests")
+    grade_parser.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
     grade_parser.add_argument("--timeout", type=float, default=600.0, help="seconds per lesson")
+    exercise_parser = sub.add_parser("exercise", help="write a learner workspace with stubs")
+    exercise_parser.add_argument("id", help="lesson id (01), slug or folder")
+    exercise_parser.add_argument("--out", type=Path, metavar="DIR",
+                                 help="where (default workspace/NN_slug; refuses a folder with files)")
+    exercise_parser.add_argument("--exercise", metavar="ID", help="stub only this exercise")
     sub.add_parser("catalog", help="validate catalog.json and list the lessons")
     gpu_parser = sub.add_parser("gpu", help="the GPU suite: every lesson with --device cuda, and "
                                             "every notebook, on the GPUs present")
@@ -245,7 +312,12 @@ def main(argv: list[str] | None = None) -> int:
             extra = (["--quick"] if args.quick else []) + shlex.split(args.demo_args)
             return run_demos(args.ids, args.json, args.timeout, extra)
         if args.command == "grade":
-            return grade(args.ids, args.timeout)
+            if args.workspace is not None and not (args.workspace / "lessons").is_dir():
+                parser.error(f"--workspace {args.workspace}: no lessons/ folder there "
+                             f"(make one with: python -m course exercise NN)")
+            return grade(args.ids, args.timeout, args.workspace, args.json, args.exercise)
+        if args.command == "exercise":
+            return make_exercise(args.id, args.out, args.exercise)
         if args.command == "gpu":
             return gpu_suite(args.ids, args.timeout, not args.no_notebooks)
         if args.command == "site":

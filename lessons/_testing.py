@@ -100,3 +100,12 @@ def run_under_torchrun(script: Path, args: list[str], nproc_per_node: int = 2, n
 def _loopback_name() -> str:
     names = {name for _, name in socket.if_nameindex()}
     return next((name for name in ("lo", "lo0") if name in names), "lo")
+
+
+def exercise(exercise_id: str):
+    """Tag a test method or a TestCase class with the exercise it grades (lessons/_grading.py);
+    untagged tests grade the lesson's "integration" criterion."""
+    def tag(obj):
+        obj._exercise = exercise_id
+        return obj
+    return tag

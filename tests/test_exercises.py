@@ -1,0 +1,217 @@
+"""Learner mode's machinery on a toy lesson: markers found, bodies stubbed (docstrings kept),
+grading by exercise (passed / failed / blocked, a skip never a pass), planted bugs caught by
+their own exercise and no other, malformed markers and bug specs named by file and line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import textwrap
+import unittest
+import unittest.mock
+from pathlib import Path
+
+from lessons import _exercises as ex
+from tests._course import REPO_ROOT
+
+TOY_MAIN = '''\
+"""A toy lesson."""
+
+
+# exercise add (2 points): Add two numbers
+# hint: use +
+#   (really)
+def add(a, b):
+    """Return a + b."""
+    return a + b
+
+
+# exercise scale (3 points): Scale a list
+def scale(values, factor):
+    """Every value times `factor`."""
+    out = [v * factor for v in values]
+    return out
+
+
+class Accumulator:
+    """Keeps a running sum."""
+
+    def __init__(self):
+        self.total = 0
+
+    # exercise add (continued)
+    def push(self, value):
+        """Add `value` to the total; return the new total."""
+        self.total = add(self.total, value)
+        return self.total
+
+
+def untouched():
+    return 42
+'''
+
+TOY_TEST = '''\
+import importlib
+import unittest
+
+from lessons._testing import exercise
+
+M = importlib.import_module("lessons.99_toy.main")
+
+
+@exercise("add")
+class TestAdd(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(M.add(2, 3), 5)
+
+    def test_push(self):
+        acc = M.Accumulator()
+        acc.push(2)
+        self.assertEqual(acc.push(3), 5)
+
+
+class TestScale(unittest.TestCase):
+    @exercise("scale")
+    def test_scale(self):
+        self.assertEqual(M.scale([1, 2], 3), [3, 6])
+
+    def test_untouched(self):
+        self.assertEqual(M.untouched(), 42)
+
+    @unittest.skip("needs a GPU")
+    def test_gpu(self):
+        pass
+'''
+
+
+def make_workspace(root: Path, main: str = TOY_MAIN, test: str = TOY_TEST) -> dict:
+    """A course-shaped folder with the shared modules and one toy lesson; its catalog entry."""
+    package = root / "lessons"
+    package.mkdir(parents=True)
+    for shared in (REPO_ROOT / "lessons").glob("*.py"):
+        shutil.copy(shared, package / shared.name)
+    lesson = package / "99_toy"
+    (lesson / "tests").mkdir(parents=True)
+    (lesson / "__init__.py").write_text("")
+    (lesson / "tests" / "__init__.py").write_text("")
+    (lesson / "main.py").write_text(main)
+    (lesson / "tests" / "test_toy.py").write_text(test)
+    return {"id": "99", "folder": "lessons/99_toy", "paths": {"tests": "lessons/99_toy/tests"}}
+
+
+class TestMarkers(unittest.TestCase):
+    def setUp(self):
+        self.tmp = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, self.tmp)
+        make_workspace(self.tmp)
+        self.main = self.tmp / "lessons" / "99_toy" / "main.py"
+
+    def test_find_exercises(self):
+        found = ex.find_exercises(self.main)
+        self.assertEqual([(e.id, e.points, e.title) for e in found],
+                         [("add", 2, "Add two numbers"), ("scale", 3, "Scale a list")])
+        self.assertEqual(found[0].targets, ["add", "Accumulator.push"])
+        self.assertEqual(found[0].hint, "use + (really)")
+
+    def test_stubs_keep_signature_and_docstring(self):
+        found = ex.find_exercises(self.main)
+        stubbed = ex.stub_source(self.main.read_text(), found)
+        namespace: dict = {}
+        exec(compile(stubbed, "stubbed", "exec"), namespace)
+        self.assertEqual(namespace["add"].__doc__, "Return a + b.")
+        self.assertEqual(namespace["untouched"](), 42)
+        with self.assertRaises(NotImplementedError) as caught:
+            namespace["add"](1, 2)
+        self.assertIn("exercise add: Add two numbers", str(caught.exception))
+        with self.assertRaises(NotImplementedError):
+            namespace["Accumulator"]().push(1)
+        self.assertEqual(namespace["Accumulator"]().total, 0)  # __init__ is not an exercise
+        with self.assertRaises(NotImplementedError):
+            namespace["scale"]([1], 2)
+
+    def test_only_one_exercise(self):
+        found = ex.find_exercises(self.main)
+        namespace: dict = {}
+        exec(compile(ex.stub_source(self.main.read_text(), found, {"scale"}), "s", "exec"), namespace)
+        self.assertEqual(namespace["add"](1, 2), 3)
+        with self.assertRaises(NotImplementedError):
+            namespace["scale"]([1], 2)
+
+    def test_malformed_markers_are_named(self):
+        bad = self.tmp / "bad.py"
+        bad.write_text("# exercise lost (1 point): Nothing below\n\nx = 1\n")
+        with self.assertRaisesRegex(ex.ExerciseError, r"bad.py:1: .*directly above a def"):
+            ex.find_exercises(bad)
+        bad.write_text("# exercise ghost (continued)\ndef f():\n    pass\n")
+        with self.assertRaisesRegex(ex.ExerciseError, "before exercise 'ghost' is declared"):
+            ex.find_exercises(bad)
+        bad.write_text("# exercise twice (1 point): A\ndef f():\n    pass\n\n\n"
+                       "# exercise twice (1 point): B\ndef g():\n    pass\n")
+        with self.assertRaisesRegex(ex.ExerciseError, "declared twice"):
+            ex.find_exercises(bad)
+
+
+class TestGrading(unittest.TestCase):
+    """Grades the toy lesson in workspaces: reference, untouched stubs, a planted bug."""
+
+    def grade(self, root: Path, main: str) -> dict:
+        from course.__main__ import grade_lesson
+        lesson = make_workspace(root, main)
+        with unittest.mock.patch.object(ex, "lesson_exercises",
+                                        lambda folder: ex.find_exercises(root / "lessons/99_toy/main.py")):
+            report = grade_lesson(lesson, root, timeout=120)
+        return report["criteria"]
+
+    def setUp(self):
+        self.tmp = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, self.tmp)
+
+    def test_reference_untouched_and_planted_bug(self):
+        reference = self.grade(self.tmp / "reference", TOY_MAIN)
+        self.assertEqual({k: v["outcome"] for k, v in reference.items()},
+                         {"add": "passed", "scale": "passed", "integration": "blocked"})
+        self.assertEqual(reference["integration"]["message"], "needs a GPU")
+        self.assertEqual((reference["add"]["points"], reference["scale"]["points"]), (2, 3))
+
+        stubbed_main = ex.stub_source(TOY_MAIN, ex.find_exercises(self._write(TOY_MAIN)))
+        untouched = self.grade(self.tmp / "untouched", stubbed_main)
+        self.assertEqual(untouched["add"]["outcome"], "failed")
+        self.assertEqual(untouched["scale"]["outcome"], "failed")
+        self.assertIn("NotImplementedError: exercise add", untouched["add"]["message"])
+
+        buggy = TOY_MAIN.replace("v * factor for v", "v * factor + 1 for v")
+        planted = self.grade(self.tmp / "planted", buggy)
+        self.assertEqual(planted["scale"]["outcome"], "failed")
+        self.assertEqual(planted["add"]["outcome"], "passed")
+
+    def _write(self, text: str) -> Path:
+        path = self.tmp / "main_copy.py"
+        path.write_text(text)
+        return path
+
+
+class TestBugSpecs(unittest.TestCase):
+    def test_stale_or_unknown_bug_specs_are_named(self):
+        tmp = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, tmp)
+        make_workspace(tmp)
+        folder = tmp / "lessons" / "99_toy"
+        spec = {"id": "plus-one", "exercise": "scale", "file": "main.py",
+                "find": "v * factor for v", "replace": "v * factor + 1 for v",
+                "mistake": "an off-by-one in the scaling"}
+        (folder / "bugs.json").write_text(json.dumps([spec]))
+        self.assertEqual([bug.id for bug in ex.planted_bugs(folder)], ["plus-one"])
+        (folder / "bugs.json").write_text(json.dumps([{**spec, "find": "not in the file"}]))
+        with self.assertRaisesRegex(ex.ExerciseError, r"\[0\]\.find: found 0 times"):
+            ex.planted_bugs(folder)
+        (folder / "bugs.json").write_text(json.dumps([{**spec, "exercise": "nope"}]))
+        with self.assertRaisesRegex(ex.ExerciseError, r"\[0\]\.exercise: 'nope'"):
+            ex.planted_bugs(folder)
+        (folder / "bugs.json").write_text(textwrap.dedent("[{oops"))
+        with self.assertRaisesRegex(ex.ExerciseError, "invalid JSON"):
+            ex.planted_bugs(folder)
+
+
+if __name__ == "__main__":
+    unittest.main()
