@@ -9,12 +9,19 @@
 * Offline: mermaid and KaTeX come from the npm registry at build time (site/package.json, pinned
   by site/package-lock.json, installed once into .cache/site-npm) and are copied into the site;
   no CDN, no remote font.
+* Figures: a lesson whose code draws pictures has `figures.py` beside its main.py with
+  `site_figures(out_dir) -> [{"file", "alt", "caption"}]`; the build calls it (the pictures are
+  drawn by the lesson's own code, at small sizes, on the machine that builds the site) and the
+  lesson page shows them with their alt text. A figure that fails to draw fails the build.
+* Exercises: each lesson page lists the exercises marked in its main.py, with points and the
+  commands to get a workspace and grade it.
 * A broken internal link (href/src to a missing file or anchor) fails the build.
 """
 
 from __future__ import annotations
 
 import html
+import importlib
 import json
 import re
 import shutil
@@ -155,6 +162,36 @@ def copy_sources(out: Path, lesson: dict) -> None:
     index.write_text(f"<!doctype html><meta charset=utf-8><title>tests</title><ul>{items}</ul>")
 
 
+def lesson_figures(lesson: dict, out: Path) -> list[dict]:
+    """Draw a lesson's figures with its own figures.py into `out` (the site's figures folder
+    for the lesson). Returns [{"src" (relative to a lesson page), "alt", "caption"}]."""
+    folder = REPO_ROOT / lesson["folder"]
+    if not (folder / "figures.py").exists():
+        return []
+    module = importlib.import_module(lesson["folder"].replace("/", ".") + ".figures")
+    target = out / "lessons" / "figures" / lesson["id"]
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        figures = module.site_figures(target)
+    except Exception as exc:  # the lesson's own drawing code failed: say which lesson
+        raise SiteError(f"{lesson['folder']}/figures.py: site_figures failed: {exc!r}") from exc
+    drawn = []
+    for figure in figures:
+        path = target / figure["file"]
+        if not path.exists() or path.stat().st_size == 0 or not figure.get("alt"):
+            raise SiteError(f"{lesson['folder']}/figures.py: {figure.get('file')!r} was not "
+                            f"drawn or has no alt text")
+        drawn.append({"src": f"figures/{lesson['id']}/{figure['file']}", "alt": figure["alt"],
+                      "caption": figure.get("caption", "")})
+    return drawn
+
+
+def lesson_exercise_rows(lesson: dict) -> list[dict]:
+    from lessons._exercises import lesson_exercises
+    return [{"id": e.id, "title": e.title, "points": e.points, "hint": e.hint,
+             "targets": e.targets} for e in lesson_exercises(REPO_ROOT / lesson["folder"])]
+
+
 def build_site(out: Path, catalog: dict | None = None, npm_dir: Path = NPM_CACHE) -> list[Path]:
     """Build the whole site into `out` (emptied first). Returns the HTML pages written.
     Raises SiteError on a broken internal link."""
@@ -178,8 +215,11 @@ def build_site(out: Path, catalog: dict | None = None, npm_dir: Path = NPM_CACHE
         page = out / "lessons" / f"{lesson['id']}-{lesson['slug']}.html"
         previous = lessons[position - 1] if position else None
         following = lessons[position + 1] if position + 1 < len(lessons) else None
+        figures = lesson_figures(lesson, out)
+        exercises = lesson_exercise_rows(lesson)
         page.write_text(env.get_template("lesson.html").render(
             course=catalog, lesson=lesson, body=body, toc=toc, links=links, titles=titles,
+            figures=figures, exercises=exercises,
             quiz_json=json.dumps(quiz).replace("</", "<\\/"), previous=previous,
             following=following, root=".."))
         pages.append(page)

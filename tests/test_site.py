@@ -134,6 +134,25 @@ class TestSiteInBrowser(unittest.TestCase):
                     self.assertGreater(blocks, 0, "a lesson page without a diagram")
                 page.close()
 
+    def test_every_lesson_figure_loads_with_alt_text(self):
+        drawing = [lesson for lesson in load_catalog()["lessons"]
+                   if (site_module.REPO_ROOT / lesson["folder"] / "figures.py").exists()]
+        self.assertGreater(len(drawing), 0, "no lesson draws a figure for the site")
+        for lesson in drawing:
+            with self.subTest(lesson=lesson["id"]):
+                page, errors = self.open(f"lessons/{lesson['id']}-{lesson['slug']}.html")
+                images = page.locator("#figures img")
+                self.assertGreater(images.count(), 0)
+                for index in range(images.count()):
+                    image = images.nth(index)
+                    image.scroll_into_view_if_needed()
+                    page.wait_for_function("img => img.complete", arg=image.element_handle())
+                    self.assertGreater(image.evaluate("img => img.naturalWidth"), 0,
+                                       image.get_attribute("src"))
+                    self.assertTrue(image.get_attribute("alt"))
+                self.assertEqual(errors, [])
+                page.close()
+
     def test_index_lists_every_catalog_lesson_in_order(self):
         page, _ = self.open("index.html")
         ids = page.locator("li.lesson-card").evaluate_all("els => els.map(e => e.dataset.lesson)")
