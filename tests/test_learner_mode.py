@@ -1,0 +1,100 @@
+"""Learner mode on the real lessons: every marked exercise is graded by at least one test, an
+untouched workspace scores 0 without hanging, and every planted bug is caught by its own
+exercise (only that exercise's tests run per bug, to keep CI short).
+
+The reference scoring full marks follows from the lessons' own suites passing (pytest runs
+them) together with `test_every_exercise_is_graded`: every test belongs to an exercise or to
+the lesson's integration criterion, and every exercise has tests.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+import unittest
+from pathlib import Path
+
+from course.__main__ import grade_lesson
+from lessons import _exercises as ex
+from lessons._grading import criterion_of
+from tests._course import REPO_ROOT, lessons
+
+
+def lessons_with_exercises() -> list[dict]:
+    return [lesson for lesson in lessons() if ex.lesson_exercises(REPO_ROOT / lesson["folder"])]
+
+
+def tests_by_criterion(lesson: dict) -> dict[str, list[str]]:
+    suite = unittest.TestLoader().discover(str(REPO_ROOT / lesson["paths"]["tests"]),
+                                           top_level_dir=str(REPO_ROOT))
+    found: dict[str, list[str]] = {}
+    stack = [suite]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, unittest.TestSuite):
+            stack.extend(item)
+        else:
+            found.setdefault(criterion_of(item), []).append(item.id())
+    return found
+
+
+class TestExercisesAreGraded(unittest.TestCase):
+    def test_some_lessons_have_exercises(self):
+        self.assertGreater(len(lessons_with_exercises()), 0)
+
+    def test_every_exercise_is_graded(self):
+        for lesson in lessons_with_exercises():
+            exercises = ex.lesson_exercises(REPO_ROOT / lesson["folder"])
+            graded = tests_by_criterion(lesson)
+            with self.subTest(lesson=lesson["id"]):
+                self.assertTrue(2 <= len(exercises) <= 5, [e.id for e in exercises])
+                for exercise in exercises:
+                    self.assertIn(exercise.id, graded, f"no test grades {exercise.id}")
+                unknown = set(graded) - {e.id for e in exercises} - {ex.INTEGRATION}
+                self.assertEqual(unknown, set(), "tests tagged with unmarked exercises")
+                self.assertGreaterEqual(len(ex.planted_bugs(REPO_ROOT / lesson["folder"])), 5)
+
+
+class TestWorkspaces(unittest.TestCase):
+    def setUp(self):
+        self.tmp = Path(tempfile.mkdtemp(prefix="dtfs-workspace-"))
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+
+    def test_untouched_workspace_scores_zero_without_hanging(self):
+        for lesson in lessons_with_exercises():
+            folder = REPO_ROOT / lesson["folder"]
+            workspace = self.tmp / f"untouched-{lesson['id']}"
+            exercises = ex.write_workspace(folder, workspace)
+            started = time.monotonic()
+            report = grade_lesson(lesson, workspace, timeout=300)
+            with self.subTest(lesson=lesson["id"]):
+                self.assertEqual(report["error"], "")
+                for exercise in exercises:
+                    self.assertEqual(report["criteria"][exercise.id]["outcome"], "failed",
+                                     exercise.id)
+                    self.assertIn("NotImplementedError", report["criteria"][exercise.id]["message"])
+                self.assertLess(time.monotonic() - started, 300)
+
+    def test_workspace_refuses_to_overwrite_work(self):
+        lesson = lessons_with_exercises()[0]
+        workspace = self.tmp / "mine"
+        ex.write_workspace(REPO_ROOT / lesson["folder"], workspace)
+        with self.assertRaisesRegex(ex.ExerciseError, "is not empty"):
+            ex.write_workspace(REPO_ROOT / lesson["folder"], workspace)
+
+    def test_planted_bugs_are_caught_by_their_exercise(self):
+        for lesson in lessons_with_exercises():
+            folder = REPO_ROOT / lesson["folder"]
+            for bug in ex.planted_bugs(folder):
+                with self.subTest(lesson=lesson["id"], bug=bug.id):
+                    workspace = self.tmp / f"bug-{lesson['id']}-{bug.id}"
+                    ex.write_workspace(folder, workspace, stub=False)
+                    ex.plant(workspace, folder.name, bug)
+                    report = grade_lesson(lesson, workspace, timeout=300, exercise=bug.exercise)
+                    self.assertEqual(report["criteria"][bug.exercise]["outcome"], "failed",
+                                     f"{bug.mistake}: not caught")
+
+
+if __name__ == "__main__":
+    unittest.main()
