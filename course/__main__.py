@@ -108,6 +108,18 @@ def grade_lesson(lesson: dict, workspace: Path, timeout: float,
     return report
 
 
+def grade_planted_bugs(lesson: dict, workspace: Path, timeout: float) -> list[dict]:
+    """Plant each of the lesson's bugs in a reference `workspace` in turn and grade its own
+    exercise (one process for all of them). [{"id", "exercise", "outcome", ...}]"""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "bugs.json"
+        code, output, _ = _run([sys.executable, "-m", "lessons._grading", lesson["paths"]["tests"],
+                                "--planted-bugs", "--json", str(out)], timeout, cwd=workspace)
+        if code != 0 or not out.exists():
+            raise RuntimeError(f"planted-bug grading failed (exit {code}): {output[-1500:]}")
+        return json.loads(out.read_text())["bugs"]
+
+
 def out_ok(code: int, report: dict) -> bool:
     return code == 0 and bool(report.get("tests"))
 

@@ -137,13 +137,51 @@ def grade(tests_dir: str, exercise: str | None = None) -> dict:
     return {"tests": outcomes, "criteria": criteria(outcomes)}
 
 
+def _forget(package: str) -> None:
+    """Drop a lesson's modules (technique, harness, tests) so the next import reads the disk."""
+    for name in [name for name in sys.modules if name == package or name.startswith(package + ".")]:
+        del sys.modules[name]
+
+
+def grade_planted_bugs(tests_dir: str) -> dict:
+    """Plant each of the lesson's bugs (bugs.json) in turn, in place, into the working copy the
+    process runs in (a reference workspace), grade that bug's exercise alone, and restore the
+    file. One process for all the bugs: the interpreter and the forkserver start once.
+    Returns {"bugs": [{"id", "exercise", "outcome", "message", "seconds"}]}."""
+    from lessons._exercises import planted_bugs
+
+    folder = Path(tests_dir).resolve().parent
+    package = f"lessons.{folder.name}"
+    results = []
+    for bug in planted_bugs(folder):
+        target = folder / bug.file
+        original = target.read_text()
+        started = time.monotonic()
+        try:
+            target.write_text(original.replace(bug.find, bug.replace, 1))
+            _forget(package)
+            report = grade(tests_dir, bug.exercise)
+        finally:
+            target.write_text(original)
+            _forget(package)
+        entry = report["criteria"].get(bug.exercise, {"outcome": "failed", "message": "no tests"})
+        results.append({"id": bug.id, "exercise": bug.exercise, "mistake": bug.mistake,
+                        "outcome": entry["outcome"], "message": entry["message"],
+                        "seconds": round(time.monotonic() - started, 2)})
+    return {"bugs": results}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lessons._grading")
     parser.add_argument("tests_dir")
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--exercise")
+    parser.add_argument("--planted-bugs", action="store_true",
+                        help="plant each bug of bugs.json in turn and grade its exercise "
+                             "(run inside a reference workspace: files are changed and restored)")
     args = parser.parse_args(argv)
-    report = grade(args.tests_dir, args.exercise)
+    report = grade_planted_bugs(args.tests_dir) if args.planted_bugs else \
+        grade(args.tests_dir, args.exercise)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -185,6 +185,23 @@ class TestGrading(unittest.TestCase):
         self.assertEqual(planted["scale"]["outcome"], "failed")
         self.assertEqual(planted["add"]["outcome"], "passed")
 
+    def test_planted_bugs_graded_in_one_process_and_restored(self):
+        from course.__main__ import grade_planted_bugs
+        root = self.tmp / "bugs"
+        lesson = make_workspace(root)
+        folder = root / "lessons" / "99_toy"
+        bugs = [{"id": "plus-one", "exercise": "scale", "file": "main.py",
+                 "find": "v * factor for v", "replace": "v * factor + 1 for v",
+                 "mistake": "an off-by-one in the scaling"},
+                {"id": "harmless", "exercise": "add", "file": "main.py",
+                 "find": "return a + b", "replace": "return b + a",
+                 "mistake": "not a bug at all (a + b == b + a): must come back as passed"}]
+        (folder / "bugs.json").write_text(json.dumps(bugs))
+        results = grade_planted_bugs(lesson, root, timeout=120)
+        self.assertEqual([(r["id"], r["outcome"]) for r in results],
+                         [("plus-one", "failed"), ("harmless", "passed")])
+        self.assertEqual((folder / "main.py").read_text(), TOY_MAIN)  # restored
+
     def _write(self, text: str) -> Path:
         path = self.tmp / "main_copy.py"
         path.write_text(text)

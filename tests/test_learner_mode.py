@@ -15,7 +15,7 @@ import time
 import unittest
 from pathlib import Path
 
-from course.__main__ import grade_lesson
+from course.__main__ import grade_lesson, grade_planted_bugs
 from lessons import _exercises as ex
 from lessons._grading import criterion_of
 from tests._course import REPO_ROOT, lessons
@@ -86,14 +86,15 @@ class TestWorkspaces(unittest.TestCase):
     def test_planted_bugs_are_caught_by_their_exercise(self):
         for lesson in lessons_with_exercises():
             folder = REPO_ROOT / lesson["folder"]
-            for bug in ex.planted_bugs(folder):
-                with self.subTest(lesson=lesson["id"], bug=bug.id):
-                    workspace = self.tmp / f"bug-{lesson['id']}-{bug.id}"
-                    ex.write_workspace(folder, workspace, stub=False)
-                    ex.plant(workspace, folder.name, bug)
-                    report = grade_lesson(lesson, workspace, timeout=300, exercise=bug.exercise)
-                    self.assertEqual(report["criteria"][bug.exercise]["outcome"], "failed",
-                                     f"{bug.mistake}: not caught")
+            bugs = ex.planted_bugs(folder)
+            workspace = self.tmp / f"bugs-{lesson['id']}"
+            ex.write_workspace(folder, workspace, stub=False)
+            results = grade_planted_bugs(lesson, workspace, timeout=600)
+            self.assertEqual([r["id"] for r in results], [bug.id for bug in bugs])
+            for result in results:
+                with self.subTest(lesson=lesson["id"], bug=result["id"]):
+                    self.assertEqual(result["outcome"], "failed",
+                                     f"{result['mistake']}: not caught by {result['exercise']}")
 
 
 if __name__ == "__main__":
