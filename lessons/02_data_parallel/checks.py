@@ -1,0 +1,306 @@
+"""Lesson 02's proof: every DDP variant of main.py against one process on the whole batch and
+torch's DistributedDataParallel, what torch DDP does with its buckets (observed through its
+logging data), the error an unused parameter gives, and the CLI.
+
+`python lessons/02_data_parallel/main.py` runs `main()` here; `--bench` hands over to bench.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from lessons._checks import max_abs_diff
+from lessons._launch import RankContext, choose_device, inject_fault, launch, under_torchrun
+from lessons._report import (
+    Check,
+    Report,
+    check_args,
+    finish,
+    float_in,
+    int_in,
+    lesson_parser,
+    merge_rank_checks,
+)
+
+from . import main as data_parallel
+
+LESSON = "02_data_parallel"
+# float64 runs: per step, DDP and the single process differ only in summation order
+# ((B-1) eps sum|terms| ~ 1e-14 here; on a GPU too, whose float64 arithmetic is IEEE with other
+# summation orders and fused multiply-adds); 1e-10 leaves room for growth over the steps, while
+# a missed average or a skipped bucket is off by ~1e-2.
+TOLERANCE = 1e-10
+CHECK_CAP_BYTES = 1024  # the demo's bucket cap: 3 buckets on the tiny float64 model
+KINDS = ("naive", "flat", "bucketed", "torch")
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def torch_ddp(ctx: RankContext, model: nn.Module, **kwargs) -> DistributedDataParallel:
+    """torch's DDP around `model` (already on ctx.device), one device per process."""
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+
+
+def shard_of_step(ctx: RankContext, index: int, batch: int, seed: int, **sizes):
+    """This rank's rows of global batch `index`, on ctx.device."""
+    x, y = data_parallel.global_batch(index, batch, seed, **sizes)
+    return (data_parallel.local_shard(x, ctx.rank, ctx.world_size).to(ctx.device),
+            data_parallel.local_shard(y, ctx.rank, ctx.world_size).to(ctx.device))
+
+
+def train_single_process(seed: int, steps: int, batch: int, accumulation: int = 1,
+                         device: torch.device | str = "cpu") -> dict:
+    """The reference: one process, the whole global batch (accumulation x batch rows) per step."""
+    model = data_parallel.make_model(seed).to(device)
+    optimizer = make_optimizer(model)
+    losses = []
+    for step in range(steps):
+        xs, ys = zip(*(data_parallel.global_batch(step * accumulation + micro, batch, seed)
+                       for micro in range(accumulation)))
+        x, y = torch.cat(xs).to(device), torch.cat(ys).to(device)
+        loss = F.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": torch.tensor(losses, dtype=torch.float64),
+            "params": data_parallel.flat_params(model).cpu()}
+
+
+def train_data_parallel(ctx: RankContext, kind: str, seed: int, steps: int, batch: int,
+                        accumulation: int = 1, buggy_accumulation: bool = False,
+                        bucket_cap_bytes: int = CHECK_CAP_BYTES) -> dict:
+    """Train on this rank's shard of every global batch (on ctx.device) with one DDP variant:
+    'naive', 'flat', 'bucketed' (ours) or 'torch' (DistributedDataParallel).
+
+    With accumulation k > 1 each step runs k micro-batches; the first k-1 inside no_sync().
+    `buggy_accumulation` instead flips the sync flag only around backward, after forward has
+    already read it: the historical bug (build-nanogpt pull request 30).
+    Returns per-step global losses, the final parameters and (bucketed) the launch order.
+    """
+    torch.manual_seed(seed + 1000 + ctx.rank)  # different on every rank: the broadcast must fix it
+    model = data_parallel.make_model(seed + ctx.rank).to(ctx.device)
+    launches: list[int] = []
+    if kind in ("naive", "flat"):
+        data_parallel.broadcast_parameters_and_buffers(model)
+        wrapped = model
+    elif kind == "bucketed":
+        wrapped = data_parallel.BucketedDDP(
+            model, bucket_cap_bytes,
+            on_event=lambda event, bucket: launches.append(bucket) if event == "launch" else None)
+    elif kind == "torch":
+        wrapped = torch_ddp(ctx, model, bucket_cap_mb=bucket_cap_bytes / 2**20)
+    else:
+        raise ValueError(f"unknown kind {kind!r}")
+    optimizer = make_optimizer(model)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        step_loss = 0.0
+        for micro in range(accumulation):
+            last = micro == accumulation - 1
+            x, y = shard_of_step(ctx, step * accumulation + micro, batch, seed)
+            if buggy_accumulation:
+                out = wrapped(x)                               # forward reads the stale flag
+                wrapped.require_backward_grad_sync = last      # too late for this backward
+                loss = F.mse_loss(out, y) / accumulation
+                loss.backward()
+            else:
+                context = wrapped.no_sync() if (not last and kind in ("bucketed", "torch")) \
+                    else contextlib.nullcontext()
+                with context:
+                    loss = F.mse_loss(wrapped(x), y) / accumulation
+                    loss.backward()
+            step_loss += loss.item()
+        if kind == "naive":
+            data_parallel.naive_all_reduce_gradients(model)
+        elif kind == "flat":
+            data_parallel.flat_all_reduce_gradients(model)
+        optimizer.step()
+        mean_loss = torch.tensor([step_loss], dtype=torch.float64, device=ctx.device)
+        dist.all_reduce(mean_loss)
+        losses.append(mean_loss.item() / ctx.world_size)
+    result = {"losses": torch.tensor(losses, dtype=torch.float64),  # float64, not a list: no
+              "params": data_parallel.flat_params(model).cpu()}     # rounding on comparison
+    if kind == "bucketed":
+        result["launch_order"] = launches
+        result["buckets"] = len(wrapped.buckets)
+    return result
+
+
+def ddp_bucket_history(ctx: RankContext, model: nn.Module, iterations: int, seed: int,
+                       **ddp_kwargs) -> list[dict]:
+    """Train torch DDP around `model` for `iterations` forward+backward passes and read its
+    logging data (`_get_ddp_logging_data()`, a prototype interface) after each. DDP samples
+    its runtime stats at the start of forward, so the entry after iteration k describes the
+    backward of iteration k-1 (num_buckets_reduced) and whether buckets were rebuilt since."""
+    ddp = torch_ddp(ctx, model, **ddp_kwargs)
+    d_in, d_out = model.fc1.in_features, model.head.out_features
+    history = []
+    for index in range(iterations):
+        x, y = shard_of_step(ctx, index, 4 * ctx.world_size, seed, d_in=d_in, d_out=d_out,
+                             dtype=model.fc1.weight.dtype)
+        F.mse_loss(ddp(x), y).backward()
+        data = ddp._get_ddp_logging_data()
+        history.append({key: data.get(key) for key in (
+            "iteration", "num_buckets_reduced", "has_rebuilt_buckets",
+            "rebuilt_per_bucket_param_indices", "bucket_cap_bytes")})
+    return history
+
+
+def parse_bucket_indices(text: str | None) -> list[list[int]]:
+    """DDP's logged '5 4, 3 2, 1 0' as [[5, 4], [3, 2], [1, 0]]."""
+    return [[int(i) for i in group.split()] for group in (text or "").split(",") if group.strip()]
+
+
+def unused_parameter_error(ctx: RankContext, seed: int) -> str:
+    """Backward through BucketedDDP on a model with an unused layer: the error message."""
+    model = data_parallel.BucketedDDP(
+        data_parallel.make_model(seed, unused=True).to(ctx.device), CHECK_CAP_BYTES)
+    x, y = shard_of_step(ctx, 0, 4 * ctx.world_size, seed)
+    loss = F.mse_loss(model(x), y)
+    try:
+        loss.backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def verify_worker(ctx: RankContext, seed: int, steps: int, batch: int, fault: str | None,
+                  fault_rank: int) -> dict:
+    """Every check of the demo, on one rank (every tensor a collective sees is on ctx.device)."""
+    inject_fault(ctx, fault, fault_rank)
+    checks: list[Check] = []
+    reference = train_single_process(seed, steps, batch, device=ctx.device)
+    runs = {kind: train_data_parallel(ctx, kind, seed, steps, batch) for kind in KINDS}
+    for kind in ("naive", "flat", "bucketed"):
+        loss_gap = max_abs_diff(runs[kind]["losses"], reference["losses"])
+        param_gap = max_abs_diff(runs[kind]["params"], reference["params"])
+        checks.append(Check(f"{kind} DDP == single process (losses, params)",
+                            max(loss_gap, param_gap) <= TOLERANCE,
+                            f"max |diff| loss {loss_gap:.1e}, params {param_gap:.1e}"))
+        torch_gap = max(max_abs_diff(runs[kind]["losses"], runs["torch"]["losses"]),
+                        max_abs_diff(runs[kind]["params"], runs["torch"]["params"]))
+        checks.append(Check(f"{kind} DDP == torch DistributedDataParallel", torch_gap <= TOLERANCE,
+                            f"max |diff| {torch_gap:.1e}"))
+
+    buckets = runs["bucketed"]["buckets"]
+    order = runs["bucketed"]["launch_order"]
+    every_rank: list = [None] * ctx.world_size
+    dist.all_gather_object(every_rank, order)
+    checks.append(Check("buckets launch in order 0..n-1 (last layer first), same on every rank",
+                        order == list(range(buckets)) * steps
+                        and all(o == order for o in every_rank),
+                        f"{buckets} buckets per step, order {order[:buckets]}"))
+
+    ours = data_parallel.assign_buckets(list(data_parallel.make_model(seed).parameters()),
+                                        CHECK_CAP_BYTES)
+    history = ddp_bucket_history(ctx, data_parallel.make_model(seed).to(ctx.device), 3, seed,
+                                 bucket_cap_mb=CHECK_CAP_BYTES / 2**20)
+    rebuilt = parse_bucket_indices(history[2]["rebuilt_per_bucket_param_indices"])
+    checks.append(Check("torch DDP: 1 bucket in iteration 1, then rebuilt in gradient order == ours",
+                        history[1]["num_buckets_reduced"] == 1
+                        and history[1]["has_rebuilt_buckets"] == 0
+                        and history[2]["has_rebuilt_buckets"] == 1
+                        and history[2]["num_buckets_reduced"] == len(ours) and rebuilt == ours,
+                        f"buckets reduced {history[1]['num_buckets_reduced']} then "
+                        f"{history[2]['num_buckets_reduced']}; rebuilt {rebuilt}, ours {ours}"))
+
+    # torch's default cap (bucket_cap_mb=None): the rebuilt bucket 0 closes at 1 MiB, later
+    # ones at 25 MiB. On this float32 model that gives 2 buckets, where 25 MiB alone gives 1.
+    sizes = {"d_in": 512, "hidden": 512, "d_out": 8}
+    params = list(data_parallel.make_model(seed, torch.float32, **sizes).parameters())
+    with_first = data_parallel.assign_buckets(params, data_parallel.DEFAULT_BUCKET_CAP_BYTES,
+                                              data_parallel.DDP_FIRST_BUCKET_BYTES)
+    history = ddp_bucket_history(
+        ctx, data_parallel.make_model(seed, torch.float32, **sizes).to(ctx.device), 3, seed)
+    rebuilt = parse_bucket_indices(history[2]["rebuilt_per_bucket_param_indices"])
+    without_first = data_parallel.assign_buckets(params, data_parallel.DEFAULT_BUCKET_CAP_BYTES)
+    checks.append(Check("torch DDP default cap: a 1 MiB first bucket, then 25 MiB (ours with "
+                        "first_cap_bytes)",
+                        rebuilt == with_first and len(without_first) == 1 < len(with_first)
+                        and history[2]["bucket_cap_bytes"] == data_parallel.DEFAULT_BUCKET_CAP_BYTES,
+                        f"rebuilt {rebuilt}, ours {with_first} (no first cap: {without_first})"))
+
+    accumulation = 3
+    big_batch = train_single_process(seed, steps, batch, accumulation, device=ctx.device)
+    ours_acc = train_data_parallel(ctx, "bucketed", seed, steps, batch, accumulation)
+    torch_acc = train_data_parallel(ctx, "torch", seed, steps, batch, accumulation)
+    gap = max(max_abs_diff(ours_acc["params"], big_batch["params"]),
+              max_abs_diff(torch_acc["params"], big_batch["params"]))
+    checks.append(Check(f"accumulation x{accumulation} with no_sync == one big batch (ours, torch)",
+                        gap <= TOLERANCE, f"max |diff| {gap:.1e}"))
+
+    ours_bug = train_data_parallel(ctx, "bucketed", seed, steps, batch, accumulation, True)
+    torch_bug = train_data_parallel(ctx, "torch", seed, steps, batch, accumulation, True)
+    bug_gap = max_abs_diff(ours_bug["params"], big_batch["params"])
+    same_bug = max_abs_diff(ours_bug["params"], torch_bug["params"])
+    # With one rank there is nothing to synchronise and the bug is harmless.
+    caught = bug_gap > 1e3 * TOLERANCE if ctx.world_size > 1 else bug_gap <= TOLERANCE
+    checks.append(Check("flag toggled around backward only: caught (wrong, as in torch DDP)",
+                        caught and same_bug <= TOLERANCE,
+                        f"off the big batch by {bug_gap:.1e}; ours vs torch DDP {same_bug:.1e}"
+                        + ("" if ctx.world_size > 1 else " (1 rank: harmless)")))
+
+    message = unused_parameter_error(ctx, seed)  # hooks run on one rank too
+    checks.append(Check("unused parameters give a clear error", "spare.weight" in message,
+                        message[:90] + "..." if message else "no error raised"))
+    metrics = {"final_loss": float(runs["bucketed"]["losses"][-1]), "buckets": buckets,
+               "max_param_diff_vs_torch": max_abs_diff(runs["bucketed"]["params"],
+                                                       runs["torch"]["params"])}
+    return {"checks": [vars(c) for c in checks], "metrics": metrics}
+
+
+# ============================================================================ the CLI
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = lesson_parser("Data parallelism from scratch, checked against "
+                           "DistributedDataParallel.")
+    parser.add_argument("--steps", type=int_in(1, 1000), default=4, help="training steps (default 4)")
+    parser.add_argument("--batch", type=int_in(1, 1 << 16), default=24,
+                        help="global batch per micro-step, divisible by the world size (default 24)")
+    parser.add_argument("--bench", action="store_true",
+                        help="step time: no communication, flat after backward, bucketed and "
+                             "overlapped over a sweep of bucket caps, torch DDP; a timeline PNG")
+    parser.add_argument("--bucket-mb", type=float_in(0.001, 1024), nargs="+", default=None,
+                        metavar="MIB", help="bucket caps for --bench in MiB (default 0.5 6 25; "
+                                            "0.0625 0.375 25 with --quick)")
+    parser.add_argument("--plot", type=Path, default=Path("ddp_timeline.png"),
+                        help="where --bench writes the timeline PNG")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    if args.batch % world:
+        parser.error(f"--batch {args.batch} is not divisible by the world size {world}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    args = parse_args(argv)
+    results = launch(verify_worker, args.world_size,
+                     (args.seed, args.steps, args.batch, args.fault, args.fault_rank),
+                     device=args.device, timeout_s=args.timeout)
+    world = len(results)
+    checks = merge_rank_checks([r["checks"] for r in results])
+    metrics = dict(results[0]["metrics"])
+    if args.bench:
+        from . import bench
+        metrics.update(bench.run_bench(args, world))
+    metrics["headline"] = (f"bucketed DDP == torch DDP to {metrics['max_param_diff_vs_torch']:.0e}; "
+                           f"{metrics['buckets']} buckets")
+    device, backend = choose_device(args.device, world)
+    return finish(Report(LESSON, device, backend, world, checks, metrics), args.json, started)
