@@ -24,9 +24,11 @@ import torch
 
 
 def max_abs_diff(a, b) -> float:
-    """max |a - b| in float64 (0.0 for empty inputs). Accepts tensors, lists or numbers."""
-    a = torch.as_tensor(a).detach().to("cpu", torch.float64)
-    b = torch.as_tensor(b).detach().to("cpu", torch.float64)
+    """max |a - b| in float64 (0.0 for empty inputs). Accepts tensors, lists or numbers (read
+    as float64: a list of Python floats is never rounded to float32 first)."""
+    a = (a if isinstance(a, torch.Tensor) else torch.as_tensor(a, dtype=torch.float64))
+    b = (b if isinstance(b, torch.Tensor) else torch.as_tensor(b, dtype=torch.float64))
+    a, b = a.detach().to("cpu", torch.float64), b.detach().to("cpu", torch.float64)
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 

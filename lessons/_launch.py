@@ -315,7 +315,8 @@ def _raise_root_cause(processes: list, run_dir: Path, timeout_s: float) -> None:
 
     Peers of a failed rank fail too (lost connection, timeout in a collective), so a rank whose
     cause mentions a communication error or that sits inside torch.distributed is a *symptom*;
-    the root cause is the first rank that failed (or hung) anywhere else.
+    a rank that is merely still running (hung, or slow to start) ranks after one that raised
+    or exited; the root cause is the first rank that failed anywhere else.
     """
     alive = [rank for rank, proc in enumerate(processes) if proc.is_alive()]
     for rank in alive:  # ask each still-running rank where it is before killing it
@@ -348,7 +349,10 @@ def _raise_root_cause(processes: list, run_dir: Path, timeout_s: float) -> None:
         return any(word in text for word in ("connection", "gloo", "nccl", "timed out",
                                               "broken pipe", "peer", "torch.distributed:"))
 
-    ordered = sorted(causes, key=lambda rank: (is_symptom(rank), rank))
+    def is_hung(rank: int) -> bool:  # a rank still busy (even importing) is late, not wrong
+        return causes[rank].startswith("hung")
+
+    ordered = sorted(causes, key=lambda rank: (is_symptom(rank), is_hung(rank), rank))
     root = ordered[0]
     message = f"rank {root} failed: {causes[root]}"
     if len(ordered) > 1:
