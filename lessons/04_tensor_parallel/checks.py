@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the `lessons` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 from lessons._checks import max_abs_diff
 from lessons._launch import RankContext, inject_fault, launch, under_torchrun
@@ -48,11 +45,30 @@ FORMS = {  # metrics key -> (check label, sequence_parallel, save_shard)
 # ============================================================================ references
 
 
+class DenseBlock(nn.Module):
+    """The model to split, and the reference: a pre-norm transformer block on (s, b, h),
+    x + Attn(LN1 x), then + MLP(LN2 x). MLP = h -> 4h -> GeLU -> h; causal attention with
+    `heads` heads (main.py's `causal_attention`)."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
+        self.o = nn.Linear(hidden, hidden)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.ln1(x)
+        x = x + self.o(tensor_parallel.causal_attention(self.q(a), self.k(a), self.v(a), self.heads))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
 def make_dense(seed: int, hidden: int, heads: int,
-               device: torch.device | str = "cpu") -> tensor_parallel.DenseBlock:
+               device: torch.device | str = "cpu") -> DenseBlock:
     """The dense block, float64, the same weights on every rank and device (built on CPU)."""
     torch.manual_seed(seed)
-    return tensor_parallel.DenseBlock(hidden, heads).double().to(device)
+    return DenseBlock(hidden, heads).double().to(device)
 
 
 def block_input(seed: int, seq: int, batch: int, hidden: int, device) -> torch.Tensor:

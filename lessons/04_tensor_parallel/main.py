@@ -151,9 +151,11 @@ class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r^T + b_r: A (out, in) split by rows (output features) over the group.
 
     `dense`: one nn.Linear, or several reading the same input (Q, K, V, fused as Megatron fuses
-    QKV); rank r keeps rows [r out/p, (r+1) out/p) of each, side by side: x (..., in) ->
-    (..., k out/p) for k layers. `enter(x, weight, bias, tp)` brings the input in:
-    `copy_then_linear` (f) or a sequence-parallel entry. 1/p of the FLOPs and weights.
+    QKV); rank r keeps rows [r out/p, (r+1) out/p) of each, side by side: parameters weight
+    (k out/p, in) and bias (k out/p,) for k layers, so x (..., in) -> (..., k out/p).
+    `enter(x, weight, bias, tp)` brings the input in and multiplies: `copy_then_linear` (f:
+    nothing sent forward, dX all-reduced backward) or a sequence-parallel entry. 1/p of the
+    FLOPs and weights. out_features not divisible by p: ValueError.
     """
 
     def __init__(self, dense: nn.Linear | Sequence[nn.Linear], tp: TensorParallelGroup,
@@ -176,9 +178,11 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Y = sum_r X_r B_r^T + b: B (out, in) split by columns (input features) over the group.
 
+    Parameters weight (out, in/p), columns [r in/p, (r+1) in/p), and bias (out,), replicated.
     x (..., in/p), the slice a column-parallel layer left -> (..., out): the partial products
-    are summed by `leave` (g, or sequence parallelism's reduce-scatter); the replicated bias
-    is added once, after the sum.
+    are summed by `leave.apply(partial, tp)` (g: all-reduce forward, 2(p-1)/p |y| bytes,
+    nothing backward; or sequence parallelism's reduce-scatter); the bias is added once,
+    after the sum. in_features not divisible by p: ValueError.
     """
 
     def __init__(self, dense: nn.Linear, tp: TensorParallelGroup,
@@ -212,35 +216,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: i
     return out.permute(2, 0, 1, 3).reshape(s, b, width)
 
 
-class DenseBlock(nn.Module):
-    """The model to split: a pre-norm transformer block on (s, b, h), x + Attn(LN1 x), then
-    + MLP(LN2 x). MLP = h -> 4h -> GeLU -> h; causal attention with `heads` heads."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.q, self.k, self.v = (nn.Linear(hidden, hidden) for _ in range(3))
-        self.o = nn.Linear(hidden, hidden)
-        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.ln1(x)
-        x = x + self.o(causal_attention(self.q(a), self.k(a), self.v(a), self.heads))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
 class TensorParallelBlock(nn.Module):
-    """`DenseBlock` split over the group's p ranks (Megatron-LM): x (s, b, h) -> (s, b, h).
+    """A pre-norm transformer block split over the group's p ranks (Megatron-LM).
+
+    `dense` is the block to split (checks.DenseBlock): LayerNorms ln1, ln2; nn.Linear q, k, v,
+    o (h -> h), up (h -> 4h), down (4h -> h); `heads`; it computes x + o(attn(q, k, v of
+    ln1 x)), then + down(gelu(up(ln2 x))) on x (s, b, h). This block computes the same.
 
     Attention: Q, K, V fused column-parallel (rank r owns heads [r H/p, (r+1) H/p)), O
     row-parallel. MLP: up column-parallel, GeLU on the local 4h/p slice, down row-parallel.
-    LayerNorms and the residual stream replicated. f enters each region and g leaves it
+    LayerNorms and the residual stream replicated (their gradients come out the same on every
+    rank). Parameters ln1, ln2, qkv, o, up, down. f enters each region and g leaves it
     (`enter`, `leave`): 2 all-reduces of s b h forward, 2 backward. Heads not divisible by p:
     ValueError naming both numbers.
     """
 
-    def __init__(self, dense: DenseBlock, tp: TensorParallelGroup,
+    def __init__(self, dense: nn.Module, tp: TensorParallelGroup,
                  enter: Callable = copy_then_linear,
                  leave: type[torch.autograd.Function] = ReduceFromTensorParallel):
         super().__init__()
@@ -338,7 +329,7 @@ class SequenceParallelBlock(TensorParallelBlock):
     After backward, call `all_reduce_sequence_parallel_grads(block)`.
     """
 
-    def __init__(self, dense: DenseBlock, tp: TensorParallelGroup, save_shard: bool = False):
+    def __init__(self, dense: nn.Module, tp: TensorParallelGroup, save_shard: bool = False):
         super().__init__(dense, tp, GatherLinearSaveShard.apply if save_shard else gather_then_linear,
                          ReduceScatterToSequenceParallel)
 

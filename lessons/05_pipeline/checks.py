@@ -6,12 +6,8 @@ torch.distributed.pipelining; the Gantt charts (--plots) and the CLI.
 from __future__ import annotations
 
 import os
-import sys
 import time
 from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the `lessons` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
