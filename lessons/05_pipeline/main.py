@@ -3,19 +3,17 @@ and a real pipeline over point-to-point messages.
 
 The story, top to bottom:
 
-1. Operations: F (forward of one micro-batch on one stage), B (its backward), and for the
-   zero-bubble schedule B split into B (input gradient) and W (weight gradient).
-2. Schedules as per-device orders: GPipe (all forwards, then all backwards), 1F1B (warm up, then
-   one forward one backward), interleaved 1F1B (v model chunks per device), ZB-H1 (W passes
-   moved into the bubbles).
-3. A simulator: each device runs its order; an operation starts when its device is free and its
-   inputs exist. It reports the bubble fraction and the peak number of micro-batches whose
-   activations a device holds, checked against the closed forms, and draws a Gantt chart.
-4. A real pipeline: a stack of layers split into 2-4 stages on 2-4 processes, executing the
-   GPipe and 1F1B orders with isend/irecv. Loss and every gradient equal one process running
-   the whole model, and torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B) agrees.
+1-2. Operations F (forward of a micro-batch on a stage), B (its backward; in zero-bubble
+   schedules only the input gradient) and W (the weight gradient); schedules as per-device
+   orders of them: GPipe, 1F1B, interleaved 1F1B (v chunks per device), ZB-H1.
+3. A simulator: an op starts when its device is free and its inputs exist; it measures the
+   bubble and the micro-batches each device holds.
+4. The closed forms it must reproduce: bubble, peak in flight, and how the global batch sets
+   the number of micro-batches.
+5. A real pipeline: this rank is one stage and runs its order, sending activations forward and
+   gradients back in groups that cannot deadlock under NCCL and match by order (no tags).
 
-Run: `python lessons/05_pipeline/main.py` (everything), or the simulator alone:
+The proof is in checks.py: `python lessons/05_pipeline/main.py`, or the simulator alone:
 `python lessons/05_pipeline/main.py --simulate --stages 4 --microbatches 8 --chunks 2`.
 """
 
@@ -23,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `lessons` package importable
@@ -33,23 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lessons._launch import RankContext, inject_fault, launch
-from lessons._report import (
-    Check,
-    Report,
-    check_args,
-    finish,
-    int_in,
-    lesson_parser,
-    merge_rank_checks,
-    run_main,
-)
-
-LESSON = "05_pipeline"
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb_h1")
-# float64; the pipeline adds the same terms in the same order as one process, but the matmul
-# kernels may block differently on a split model: allow float64 rounding, nothing more.
-TOLERANCE = 1e-12
 
 # ============================================================================ 1-2. schedules
 
@@ -70,79 +52,55 @@ def gpipe_order(stages: int, microbatches: int) -> list[list[Op]]:
             for _ in range(stages)]
 
 
+def warmup_then_alternate(forwards: list[Op], backwards: list[Op], warmup: int) -> list[Op]:
+    """The 1F1B pattern: `warmup` forwards, then one forward and one backward in turn while
+    forwards remain, then the remaining backwards."""
+    order = forwards[:warmup]
+    for k, backward in enumerate(backwards):
+        order += forwards[warmup + k:warmup + k + 1] + [backward]
+    return order
+
+
 def one_f_one_b_order(stages: int, microbatches: int) -> list[list[Op]]:
-    """Device d warms up with min(p-d-1, m) forwards, then alternates one forward and one
-    backward, then drains the remaining backwards (PipeDream-Flush). At most p-d micro-batches
-    in flight on device d: p on device 0."""
-    orders = []
-    for device in range(stages):
-        warmup = min(stages - device - 1, microbatches)
-        order = [Op("F", i) for i in range(warmup)]
-        forward, backward = warmup, 0
-        while backward < microbatches:
-            if forward < microbatches:
-                order.append(Op("F", forward))
-                forward += 1
-            order.append(Op("B", backward))
-            backward += 1
-        orders.append(order)
-    return orders
+    """1F1B (PipeDream-Flush, Narayanan et al. 2021): one list of 2m ops per device.
+
+    Device d warms up with min(p-d-1, m) forwards, then F B F B ..., then drains: forwards
+    and backwards each in micro-batch order. Device d holds at most min(p-d, m) micro-batches'
+    activations (p on device 0) where GPipe holds m: the bubble is the same.
+    """
+    forwards = [Op("F", i) for i in range(microbatches)]
+    backwards = [Op("B", i) for i in range(microbatches)]
+    return [warmup_then_alternate(forwards, backwards, min(stages - d - 1, microbatches))
+            for d in range(stages)]
 
 
 def interleaved_order(stages: int, microbatches: int, chunks: int) -> list[list[Op]]:
     """Interleaved 1F1B (Narayanan et al. 2021): device d holds v = `chunks` model chunks
     (virtual stages d, d+p, d+2p, ...). Micro-batches go through the chunks in groups of p; the
     k-th forward of a device is micro-batch (k // (p v)) p + k % p on chunk (k // p) % v, and
-    backwards take the chunks in reverse. Warm-up: (p-d-1) x 2 + (v-1) x p forwards."""
+    backwards take the chunks in reverse. Warm-up: (p-d-1) x 2 + (v-1) x p chunk forwards (as
+    Megatron-LM's schedules.py), so device 0 holds p + (p-1)/v stages' worth of activations."""
     if microbatches % stages:
         raise ValueError(f"interleaved 1F1B needs micro-batches ({microbatches}) to be a "
                          f"multiple of stages ({stages})")
-    total = microbatches * chunks
-
-    def forward_op(k: int) -> Op:
-        return Op("F", (k // (stages * chunks)) * stages + k % stages, (k // stages) % chunks)
-
-    def backward_op(k: int) -> Op:
-        return Op("B", (k // (stages * chunks)) * stages + k % stages,
-                  chunks - 1 - (k // stages) % chunks)
-
-    orders = []
-    for device in range(stages):
-        warmup = min((stages - device - 1) * 2 + (chunks - 1) * stages, total)
-        order = [forward_op(k) for k in range(warmup)]
-        forward, backward = warmup, 0
-        while backward < total:
-            if forward < total:
-                order.append(forward_op(forward))
-                forward += 1
-            order.append(backward_op(backward))
-            backward += 1
-        orders.append(order)
-    return orders
-
-
-def schedule_order(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Op]]:
-    """The per-device order of a named schedule (ZB-H1's comes from `zb_h1_order`)."""
-    if stages < 1 or microbatches < 1 or chunks < 1:
-        raise ValueError("stages, micro-batches and chunks must be >= 1")
-    if kind == "gpipe":
-        return gpipe_order(stages, microbatches)
-    if kind == "1f1b":
-        return one_f_one_b_order(stages, microbatches)
-    if kind == "interleaved":
-        return interleaved_order(stages, microbatches, chunks)
-    if kind == "zb_h1":
-        return zb_h1_order(stages, microbatches)
-    raise ValueError(f"unknown schedule {kind!r}; use one of {SCHEDULES}")
+    total, group = microbatches * chunks, stages * chunks
+    forwards = [Op("F", (k // group) * stages + k % stages, (k // stages) % chunks)
+                for k in range(total)]
+    backwards = [Op("B", op.microbatch, chunks - 1 - op.chunk) for op in forwards]
+    return [warmup_then_alternate(forwards, backwards,
+                                  min((stages - d - 1) * 2 + (chunks - 1) * stages, total))
+            for d in range(stages)]
 
 
 def zb_h1_order(stages: int, microbatches: int, t_f: float = 1, t_b: float = 1,
-                t_w: float = 1) -> list[list[Op]]:
+                t_w: float = 1, max_inflight: int | None = None) -> list[list[Op]]:
     """ZB-H1 (Qi et al. 2023): backward split into B (input gradient, on the critical path)
     and W (weight gradient, which nothing downstream waits for). Each device keeps 1F1B's
     order of F and B; a pending W runs when it fits in an idle gap without delaying the next
-    F or B, or when starting another F would hold more than p micro-batches (1F1B's peak), or
-    at the end. Built by simulating that rule with durations t_f, t_b, t_w."""
+    F or B, or when starting another F would hold more than `max_inflight` micro-batches
+    (default p, 1F1B's peak), or at the end. Built by simulating that rule with durations
+    t_f, t_b, t_w. (Raising max_inflight alone does not give ZB-H2: its F/B order differs.)"""
+    cap = stages if max_inflight is None else max_inflight
     base = [[(op.kind, op.microbatch) for op in order]
             for order in one_f_one_b_order(stages, microbatches)]
     duration = {"F": t_f, "B": t_b, "W": t_w}
@@ -165,7 +123,7 @@ def zb_h1_order(stages: int, microbatches: int, t_f: float = 1, t_b: float = 1,
                 if all(dep in done for dep in deps):
                     ready = max([free[d]] + [done[dep] for dep in deps])
             over_memory = (position[d] < len(base[d]) and base[d][position[d]][0] == "F"
-                           and started_f[d] - finished_w[d] >= stages)
+                           and started_f[d] - finished_w[d] >= cap)
             gap_fits = ready is None or free[d] + t_w <= ready
             if pending_w[d] and (over_memory or gap_fits):
                 candidate = (free[d], d, "W", pending_w[d][0])
@@ -191,6 +149,21 @@ def zb_h1_order(stages: int, microbatches: int, t_f: float = 1, t_b: float = 1,
     return orders
 
 
+def schedule_order(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Op]]:
+    """The per-device order of a named schedule: one list of ops per device."""
+    if stages < 1 or microbatches < 1 or chunks < 1:
+        raise ValueError("stages, micro-batches and chunks must be >= 1")
+    if kind == "gpipe":
+        return gpipe_order(stages, microbatches)
+    if kind == "1f1b":
+        return one_f_one_b_order(stages, microbatches)
+    if kind == "interleaved":
+        return interleaved_order(stages, microbatches, chunks)
+    if kind == "zb_h1":
+        return zb_h1_order(stages, microbatches)
+    raise ValueError(f"unknown schedule {kind!r}; use one of {SCHEDULES}")
+
+
 # ============================================================================ 3. the simulator
 
 
@@ -212,12 +185,12 @@ class Timeline:
         busy = sum(end - start for row in self.rows for _, start, end in row)
         return 1.0 - busy / (self.stages * self.makespan)
 
-    def peak_inflight(self) -> float:
-        """Max over devices and time of micro-batches whose activations are held: from a
-        forward's start until the op that frees them (B, or W when backward is split). A chunk
-        holds 1/v of a stage's activations."""
+    def peak_inflight(self, device: int | None = None) -> float:
+        """Max over time (and over devices, or on `device`) of the micro-batches whose
+        activations are held: from a forward's start until the op that frees them (B, or W
+        when backward is split). A chunk holds 1/v of a stage's activations."""
         peak = 0.0
-        for row in self.rows:
+        for row in self.rows if device is None else [self.rows[device]]:
             split = any(op.kind == "W" for op, _, _ in row)
             events = []
             for op, start, end in row:
@@ -273,6 +246,17 @@ def simulate(orders: list[list[Op]], chunks: int = 1, t_f: float = 1.0, t_b: flo
     return Timeline(stages, chunks, rows)
 
 
+def simulate_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Timeline:
+    """A named schedule simulated with F = 1, B = 2 (ZB-H1: F = B = W = 1)."""
+    if kind == "zb_h1":
+        return simulate(zb_h1_order(stages, microbatches), 1, 1.0, 1.0, 1.0)
+    return simulate(schedule_order(kind, stages, microbatches, chunks),
+                    chunks if kind == "interleaved" else 1)
+
+
+# ============================================================================ 4. the closed forms
+
+
 def bubble_closed_form(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Bubble as a share of total time (t_B = 2 t_F; for ZB-H1 t_F = t_B = t_W):
     GPipe and 1F1B (p-1)/(m+p-1); interleaved ((p-1)/v) / (m + (p-1)/v), i.e. Megatron's
@@ -290,256 +274,143 @@ def bubble_closed_form(kind: str, stages: int, microbatches: int, chunks: int = 
     raise ValueError(f"unknown schedule {kind!r}")
 
 
-def simulate_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Timeline:
-    """Times: F = 1, B = 2 (B = 1 and W = 1 when split, for ZB-H1)."""
-    if kind == "zb_h1":
-        return simulate(zb_h1_order(stages, microbatches), 1, 1.0, 1.0, 1.0)
-    return simulate(schedule_order(kind, stages, microbatches, chunks),
-                    chunks if kind == "interleaved" else 1)
+def peak_inflight_closed_form(kind: str, stages: int, microbatches: int, chunks: int = 1,
+                              device: int = 0) -> float:
+    """Micro-batches' activations (in whole stages) device d holds at its peak.
+
+    GPipe m. 1F1B and ZB-H1 min(p-d, m): d's warm-up forwards plus one. Interleaved: the
+    (p-d-1) x 2 + (v-1) x p warm-up chunk forwards plus one, each 1/v of a stage, so device 0
+    holds p + (p-1)/v (capped at the m v chunks there are, i.e. m)."""
+    p, m, v, d = stages, microbatches, chunks, device
+    if kind == "gpipe":
+        return m
+    if kind in ("1f1b", "zb_h1"):
+        return min(p - d, m)
+    if kind == "interleaved":
+        return min((p - d - 1) * 2 + (v - 1) * p + 1, m * v) / v
+    raise ValueError(f"unknown schedule {kind!r}")
 
 
-def plot_gantt(timeline: Timeline, title: str, path: Path) -> None:
-    """One row per device, one box per op (F blue, B green, W orange, micro-batch number
-    inside); the white gaps are the bubble."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    colors = {"F": "#8ab6e6", "B": "#8fd18f", "W": "#f2b36b"}
-    fig, ax = plt.subplots(figsize=(max(6, timeline.makespan * 0.35), 0.5 * timeline.stages + 1))
-    for device, row in enumerate(timeline.rows):
-        for op, start, end in row:
-            shade = 0.75 if op.chunk % 2 else 1.0
-            ax.broken_barh([(start, end - start)], (device - 0.4, 0.8), facecolors=colors[op.kind],
-                           edgecolors="black", linewidth=0.5, alpha=shade)
-            ax.text((start + end) / 2, device, str(op.microbatch), ha="center", va="center",
-                    fontsize=7)
-    ax.set_yticks(range(timeline.stages), [f"device {d}" for d in range(timeline.stages)])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (forward of a whole stage = 1)")
-    ax.set_title(f"{title}: bubble {timeline.bubble_fraction:.1%}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def microbatch_count(global_batch: int, data_parallel: int, micro_batch: int) -> int:
+    """m = global batch / (data-parallel size x micro-batch size) (Megatron-LM's rule): every
+    data-parallel replica runs m micro-batches per step. A fixed global batch spread over more
+    replicas leaves fewer micro-batches per pipeline, so a larger bubble (p-1)/(m+p-1)."""
+    if global_batch % (data_parallel * micro_batch):
+        raise ValueError(f"global batch {global_batch} is not a multiple of data parallel "
+                         f"{data_parallel} x micro-batch {micro_batch}")
+    return global_batch // (data_parallel * micro_batch)
 
 
-def simulation_report(stages: int, microbatches: int, chunks: int) -> tuple[list[Check], dict]:
-    """Simulate the four schedules; compare bubbles and in-flight peaks with the closed forms."""
-    checks: list[Check] = []
-    metrics: dict = {"bubble_interleaved": None, "peak_inflight_interleaved": None}
-    for kind in SCHEDULES:
-        if kind == "interleaved" and (chunks < 2 or microbatches % stages):
-            continue
-        timeline = simulate_schedule(kind, stages, microbatches, chunks)
-        bubble = timeline.bubble_fraction
-        metrics[f"bubble_{kind}"] = bubble
-        metrics[f"peak_inflight_{kind}"] = timeline.peak_inflight()
-        if kind == "zb_h1" and microbatches < stages:
-            continue  # the closed form assumes m >= p; the simulated value is still reported
-        expected = bubble_closed_form(kind, stages, microbatches, chunks)
-        checks.append(Check(f"{kind}: simulated bubble == closed form", abs(bubble - expected) < 1e-9,
-                            f"{bubble:.4f} simulated, {expected:.4f} formula"))
-    checks.append(Check("GPipe holds all m micro-batches; 1F1B at most p",
-                        metrics["peak_inflight_gpipe"] == microbatches
-                        and metrics["peak_inflight_1f1b"] == min(stages, microbatches),
-                        f"GPipe {metrics['peak_inflight_gpipe']:g}, 1F1B "
-                        f"{metrics['peak_inflight_1f1b']:g}"))
-    checks.append(Check("ZB-H1 keeps 1F1B's peak memory", metrics["peak_inflight_zb_h1"]
-                        <= metrics["peak_inflight_1f1b"],
-                        f"ZB-H1 {metrics['peak_inflight_zb_h1']:g} micro-batches"))
-    return checks, metrics
+# ============================================================================ 5. a real pipeline
 
 
-# ============================================================================ 4. a real pipeline
+def split_stage(layers: nn.Sequential, stage: int, stages: int) -> nn.Sequential:
+    """Layers [stage L/p, (stage+1) L/p) of a model of L layers: what stage `stage` runs."""
+    per = len(layers) // stages
+    return nn.Sequential(*list(layers)[stage * per:(stage + 1) * per])
 
 
-LAYERS, WIDTH = 12, 16
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One point-to-point message of a pipeline: `send` or not (receive), an "activation"
+    (forward, to stage + 1) or a "gradient" (backward, to stage - 1), its micro-batch and the
+    neighbouring stage it goes to or comes from."""
+
+    send: bool
+    kind: str
+    microbatch: int
+    peer: int
 
 
-def make_layers(seed: int) -> nn.Sequential:
-    """The whole model: LAYERS x (Linear(WIDTH, WIDTH), Tanh), float64."""
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
-                           for _ in range(LAYERS)]).double()
+def p2p_plan(order: list[Op], stage: int, stages: int) -> list[tuple[list[Transfer], Op | None]]:
+    """What `pipeline_step` posts, as one group, before each op of this stage's `order` (F and
+    B ops, chunk 0), and a last group with no op.
+
+    F on stage d > 0 receives activation i from d-1; B on d < p-1 receives gradient i from d+1.
+    F on d < p-1 sends activation i to d+1; B on d > 0 sends gradient i to d-1. Each send is
+    posted with the NEXT op's receive (Megatron-LM's send_forward_recv_backward): in 1F1B,
+    stage d sends an activation to d+1 while d+1 sends a gradient to d, and under NCCL a send
+    waits for its receive, so two lone sends would wait on each other forever. Messages carry
+    no tags: forwards and backwards run in micro-batch order on every stage, so the k-th
+    message on each link is the k-th the other side expects.
+    """
+    plan: list[tuple[list[Transfer], Op | None]] = []
+    pending: list[Transfer] = []
+    for op in order:
+        receive = []
+        if op.kind == "F" and stage > 0:
+            receive = [Transfer(False, "activation", op.microbatch, stage - 1)]
+        elif op.kind == "B" and stage < stages - 1:
+            receive = [Transfer(False, "gradient", op.microbatch, stage + 1)]
+        plan.append((pending + receive, op))
+        if op.kind == "F":
+            pending = [Transfer(True, "activation", op.microbatch, stage + 1)] if stage < stages - 1 else []
+        else:
+            pending = [Transfer(True, "gradient", op.microbatch, stage - 1)] if stage > 0 else []
+    plan.append((pending, None))
+    return plan
 
 
-def stage_module(seed: int, stage: int, stages: int) -> nn.Sequential:
-    """Layers [stage L/p, (stage+1) L/p) of the same model."""
-    layers = list(make_layers(seed))
-    per = LAYERS // stages
-    return nn.Sequential(*layers[stage * per:(stage + 1) * per])
+def pipeline_step(module: nn.Module, order: list[Op], inputs: list[torch.Tensor] | None,
+                  targets: list[torch.Tensor] | None, loss_fn: Callable, boundary_shape: tuple,
+                  group: dist.ProcessGroup | None = None) -> dict:
+    """One training step's forward and backward of this stage, following `order` (GPipe or
+    1F1B: `schedule_order(kind, p, m)[stage]`), gradients accumulated in module's .grad.
 
-
-def pipeline_data(seed: int, microbatches: int, rows: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(microbatches * rows, WIDTH, generator=generator, dtype=torch.float64)
-    y = torch.randn(microbatches * rows, WIDTH, generator=generator, dtype=torch.float64)
-    return x, y
-
-
-def microbatch_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
-
-
-def single_process_reference(seed: int, microbatches: int) -> dict:
-    """One process, the whole model: loss = mean over micro-batches of each one's MSE."""
-    model = make_layers(seed)
-    x, y = pipeline_data(seed, microbatches)
-    losses = []
-    for xs, ys in zip(x.chunk(microbatches), y.chunk(microbatches)):
-        loss = microbatch_loss(model(xs), ys) / microbatches
-        loss.backward()
-        losses.append(loss.item() * microbatches)
-    return {"losses": losses, "grads": [p.grad.reshape(-1).tolist() for p in model.parameters()]}
-
-
-def run_pipeline(ctx: RankContext, kind: str, seed: int, microbatches: int) -> dict:
-    """This rank is one stage. Execute the schedule's order for this device with point-to-point
-    messages: F receives an activation from the previous stage and sends its output on; B
-    receives the output's gradient from the next stage, backpropagates, and sends the input's
-    gradient back. Sends are non-blocking (waited at the end), receives block when needed."""
-    stage, stages = ctx.rank, ctx.world_size
-    module = stage_module(seed, stage, stages)
-    x, y = pipeline_data(seed, microbatches)
-    inputs, targets = x.chunk(microbatches), y.chunk(microbatches)
+    Stage = this rank's index in `group` (None: the default group), p = its size. `inputs`:
+    the m micro-batches (stage 0 only); `targets`: their targets (last stage only); every
+    activation between stages has `boundary_shape`, module's dtype and device. The last stage
+    adds loss_fn(out, target) / m per micro-batch, so gradients equal those of the mean loss.
+    Messages follow `p2p_plan`, each group posted with dist.batch_isend_irecv and waited on
+    (under NCCL the group's first use must include every rank: run a collective first).
+    Returns {"losses": per-micro-batch losses (last stage), "peak_held": the most
+    micro-batches whose activations this stage held at once}.
+    """
+    stage, stages = dist.get_rank(group), dist.get_world_size(group)
+    parameter = next(module.parameters())
+    microbatches = sum(op.kind == "F" for op in order)
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    sends, losses = [], []
-    for op in schedule_order(kind, stages, microbatches)[stage]:
+    outgoing: dict[tuple[str, int], torch.Tensor] = {}
+    losses, peak_held = [], 0
+    for transfers, op in p2p_plan(order, stage, stages):
+        received = None
+        if transfers:
+            p2p = []
+            for t in transfers:
+                if t.send:
+                    tensor = outgoing.pop((t.kind, t.microbatch))
+                else:
+                    tensor = received = torch.empty(boundary_shape, dtype=parameter.dtype,
+                                                    device=parameter.device)
+                peer = t.peer if group is None else dist.get_global_rank(group, t.peer)
+                p2p.append(dist.P2POp(dist.isend if t.send else dist.irecv, tensor, peer, group))
+            for request in dist.batch_isend_irecv(p2p):
+                request.wait()
+        if op is None:
+            break
         i = op.microbatch
         if op.kind == "F":
-            if stage == 0:
-                activation = inputs[i].clone()
-            else:
-                activation = torch.empty(inputs[i].shape, dtype=torch.float64)
-                dist.recv(activation, stage - 1, tag=2 * i)
-            activation.requires_grad_(stage > 0)
-            out = module(activation)
+            x = inputs[i] if stage == 0 else received.requires_grad_()
+            out = module(x)
             if stage == stages - 1:
-                out = microbatch_loss(out, targets[i]) / microbatches
+                out = loss_fn(out, targets[i]) / microbatches
                 losses.append(out.item() * microbatches)
             else:
-                sends.append(dist.isend(out.detach().contiguous(), stage + 1, tag=2 * i))
-            saved[i] = (activation, out)
+                outgoing[("activation", i)] = out.detach()
+            saved[i] = (x, out)
+            peak_held = max(peak_held, len(saved))
         else:
-            activation, out = saved.pop(i)
+            x, out = saved.pop(i)
             if stage == stages - 1:
-                out.backward()
+                out.backward()  # the loss: d loss / d loss = 1
             else:
-                grad = torch.empty_like(out)
-                dist.recv(grad, stage + 1, tag=2 * i + 1)
-                out.backward(grad)
+                out.backward(received)  # the next stage's gradient of our output
             if stage > 0:
-                sends.append(dist.isend(activation.grad.contiguous(), stage - 1, tag=2 * i + 1))
-    for request in sends:
-        request.wait()
-    return {"losses": losses, "grads": [p.grad.reshape(-1).tolist() for p in module.parameters()]}
+                outgoing[("gradient", i)] = x.grad
+    return {"losses": losses, "peak_held": peak_held}
 
 
-def run_torch_pipelining(ctx: RankContext, kind: str, seed: int, microbatches: int) -> dict:
-    """The same stages through torch.distributed.pipelining's ScheduleGPipe / Schedule1F1B."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    module = stage_module(seed, ctx.rank, ctx.world_size)
-    stage = PipelineStage(module, ctx.rank, ctx.world_size, torch.device("cpu"))
-    schedule_class = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
-    schedule = schedule_class(stage, n_microbatches=microbatches, loss_fn=microbatch_loss)
-    x, y = pipeline_data(seed, microbatches)
-    losses: list[torch.Tensor] = []
-    inputs = (x,) if ctx.rank == 0 else ()  # the first stage feeds the data
-    last = {"target": y, "losses": losses} if ctx.rank == ctx.world_size - 1 else {}
-    schedule.step(*inputs, **last)
-    return {"losses": [loss.item() for loss in losses],
-            "grads": [p.grad.reshape(-1).tolist() for p in module.parameters()]}
+if __name__ == "__main__":  # the checks, the report and the CLI: checks.py
+    from lessons._report import run_harness
 
-
-def gather_grads(ctx: RankContext, grads: list[list[float]]) -> list[list[float]]:
-    everyone: list = [None] * ctx.world_size
-    dist.all_gather_object(everyone, grads)
-    return [g for stage_grads in everyone for g in stage_grads]
-
-
-def max_gap(a: list, b: list) -> float:
-    flat_a = torch.tensor([v for row in a for v in (row if isinstance(row, list) else [row])],
-                          dtype=torch.float64)
-    flat_b = torch.tensor([v for row in b for v in (row if isinstance(row, list) else [row])],
-                          dtype=torch.float64)
-    if flat_a.shape != flat_b.shape:
-        return float("inf")
-    return float((flat_a - flat_b).abs().max()) if flat_a.numel() else 0.0
-
-
-def pipeline_worker(ctx: RankContext, seed: int, microbatches: int, fault: str | None,
-                    fault_rank: int) -> dict:
-    """Our GPipe and 1F1B, and torch's, against one process running the whole model."""
-    inject_fault(ctx, fault, fault_rank)
-    if LAYERS % ctx.world_size:
-        raise ValueError(f"{LAYERS} layers cannot be split into {ctx.world_size} equal stages")
-    reference = single_process_reference(seed, microbatches)
-    checks = []
-    last = ctx.world_size - 1
-    for kind in ("gpipe", "1f1b"):
-        ours = run_pipeline(ctx, kind, seed, microbatches)
-        theirs = run_torch_pipelining(ctx, kind, seed, microbatches)
-        ours_grads, theirs_grads = gather_grads(ctx, ours["grads"]), gather_grads(ctx, theirs["grads"])
-        losses: list = [None] * ctx.world_size
-        dist.all_gather_object(losses, (ours["losses"], theirs["losses"]))
-        ours_losses, theirs_losses = losses[last]
-        gap_ref = max(max_gap(ours_losses, reference["losses"]), max_gap(ours_grads, reference["grads"]))
-        gap_torch = max(max_gap(ours_losses, theirs_losses), max_gap(ours_grads, theirs_grads))
-        name = "GPipe" if kind == "gpipe" else "1F1B"
-        checks.append(Check(f"our {name} pipeline: loss and every gradient == one process",
-                            gap_ref <= TOLERANCE, f"max |diff| {gap_ref:.1e}"))
-        checks.append(Check(f"our {name} == torch.distributed.pipelining Schedule{name}",
-                            gap_torch <= TOLERANCE, f"max |diff| {gap_torch:.1e}"))
-    return {"checks": [vars(c) for c in checks]}
-
-
-# ============================================================================ the demo
-
-
-def parse_args(argv: list[str] | None = None):
-    parser = lesson_parser("Pipeline schedules simulated and checked against their closed forms, "
-                           "and a real pipeline checked against one process and "
-                           "torch.distributed.pipelining.")
-    parser.add_argument("--simulate", action="store_true", help="only the schedule simulator")
-    parser.add_argument("--stages", type=int_in(1, 64), default=4, help="pipeline stages P (default 4)")
-    parser.add_argument("--microbatches", type=int_in(1, 4096), default=8,
-                        help="micro-batches M (default 8)")
-    parser.add_argument("--chunks", type=int_in(1, 16), default=2,
-                        help="model chunks per device V for interleaved 1F1B (default 2)")
-    parser.add_argument("--plots", type=Path, default=None,
-                        help="directory for one Gantt chart PNG per schedule")
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    if args.chunks > 1 and args.microbatches % args.stages:
-        parser.error(f"--microbatches {args.microbatches} must be a multiple of --stages "
-                     f"{args.stages} for interleaved 1F1B (or use --chunks 1)")
-    if not args.simulate and LAYERS % args.world_size:
-        parser.error(f"--world-size {args.world_size} must divide the model's {LAYERS} layers")
-    return args
-
-
-def main(argv: list[str] | None = None) -> int:
-    started = time.monotonic()
-    args = parse_args(argv)
-    checks, metrics = simulation_report(args.stages, args.microbatches, args.chunks)
-    if args.plots is not None:
-        args.plots.mkdir(parents=True, exist_ok=True)
-        for kind in SCHEDULES:
-            if kind == "interleaved" and args.chunks < 2:
-                continue
-            plot_gantt(simulate_schedule(kind, args.stages, args.microbatches, args.chunks),
-                       f"{kind}, p={args.stages}, m={args.microbatches}",
-                       args.plots / f"{kind}.png")
-    world = 1
-    if not args.simulate:
-        results = launch(pipeline_worker, args.world_size,
-                         (args.seed, args.microbatches, args.fault, args.fault_rank),
-                         device="cpu", timeout_s=args.timeout)
-        checks += merge_rank_checks([r["checks"] for r in results])
-        world = len(results)
-    metrics["headline"] = (f"bubble p={args.stages} m={args.microbatches}: GPipe/1F1B "
-                           f"{metrics['bubble_gpipe']:.1%}, ZB-H1 {metrics['bubble_zb_h1']:.1%}")
-    return finish(Report(LESSON, "cpu", "gloo", world, checks, metrics), args.json, started)
-
-
-if __name__ == "__main__":
-    run_main(main)
+    run_harness(__file__)

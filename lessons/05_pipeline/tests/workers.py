@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-M = importlib.import_module("lessons.05_pipeline.main")
+C = importlib.import_module("lessons.05_pipeline.checks")
 
 
 def pipeline_checks(ctx, microbatches: int) -> dict:
-    return M.pipeline_worker(ctx, 2, microbatches, None, 0)
+    return C.pipeline_worker(ctx, 2, microbatches, None, 0)
