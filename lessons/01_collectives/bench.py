@@ -23,10 +23,10 @@ from .checks import torch_all_to_all
 def time_side_by_side(runs: dict, device: torch.device, min_seconds: float,
                       max_rounds: int = 30) -> dict[str, float]:
     """Median seconds of each callable in `runs`, measured in alternation (round after round
-    of each in turn), so that all see the same machine load. Each timing starts after a
-    barrier with the GPU idle and ends when the GPU is done (`synchronize`: a host timer
-    would otherwise measure only the launch of NCCL's kernels), and is the MAX over ranks:
-    a collective is as slow as its slowest rank."""
+    of each in turn, the order rotating from round to round), so that all see the same
+    machine load. Each timing starts after a barrier with the GPU idle and ends when the GPU
+    is done (`synchronize`: a host timer would otherwise measure only the launch of NCCL's
+    kernels), and is the MAX over ranks: a collective is as slow as its slowest rank."""
     def once(run) -> float:
         dist.barrier()
         synchronize(device)
@@ -39,11 +39,14 @@ def time_side_by_side(runs: dict, device: torch.device, min_seconds: float,
 
     for run in runs.values():  # warm-up: connections, allocator
         once(run)
-    samples: dict[str, list[float]] = {name: [] for name in runs}
+    names = list(runs)
+    samples: dict[str, list[float]] = {name: [] for name in names}
     while True:
-        for name, run in runs.items():
-            samples[name].append(once(run))
-        rounds = len(samples[next(iter(runs))])
+        rounds = len(samples[names[0]])
+        first = rounds % len(names)  # rotate the order: no callable always runs first
+        for name in names[first:] + names[:first]:
+            samples[name].append(once(runs[name]))
+        rounds += 1
         spent = sum(sum(values) for values in samples.values())
         if rounds >= max_rounds or (rounds >= 5 and spent >= min_seconds):
             break

@@ -278,10 +278,11 @@ def all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int
     (sum(recv_counts), *trailing): recv_counts[i] rows from rank i, in rank order. dtype and
     trailing shape must be equal on every rank. recv_counts None (the receiver does not know
     them, as in mixture-of-experts dispatch): they are exchanged first, an all-to-all of one
-    int64 per pair. Own block: a local copy. One group of up to 2(p-1) messages.
-    Bytes sent: sum over j != r of send_counts[j] * row bytes; with equal blocks of a
-    send buffer of S bytes, (p-1)/p * S. Time: (p-1) alpha + (p-1)/p * S * beta when the
-    rank's link carries its p-1 messages at 1/beta (the same as `dist.all_to_all_single`).
+    int64 per pair. Same result as dist.all_to_all_single(out, send, recv_counts, send_counts).
+    Own block: a local copy; the rest: one group of up to 2(p-1) messages. Bytes sent: sum
+    over j != r of send_counts[j] * row bytes; with equal blocks of a send buffer of S bytes,
+    (p-1)/p * S. Time: (p-1) alpha + (p-1)/p * S * beta when the rank's link carries its p-1
+    messages at 1/beta.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     if len(send_counts) != world or min(send_counts) < 0 or sum(send_counts) != send.shape[0]:
