@@ -1,9 +1,11 @@
-"""Lesson 01's suite: the formulas, then every collective against torch.distributed on
-1, 2, 3 and 5 ranks, then the failure paths the docs promise."""
+"""Lesson 01's suite: the formulas, the numbers the README and the quiz quote, then every
+collective against torch.distributed on 1, 2, 3 and 5 ranks, planted bugs, torchrun (one node
+and two on loopback), and the failure paths the docs promise."""
 
 from __future__ import annotations
 
 import importlib
+import json
 import math
 import re
 import subprocess
@@ -13,16 +15,20 @@ from pathlib import Path
 
 import torch
 
+from lessons._checks import compare, sum_order_tolerance
 from lessons._launch import WorkerError, launch
 from lessons._report import merge_rank_checks
-from lessons._testing import assert_argument_error
+from lessons._testing import assert_argument_error, run_under_torchrun
 
-M = importlib.import_module("lessons.01_collectives.main")
+M = importlib.import_module("lessons.01_collectives.main")  # the technique
+C = importlib.import_module("lessons.01_collectives.checks")  # the harness
+B = importlib.import_module("lessons.01_collectives.bench")  # the benchmark
 # Spawned ranks import their function by module name, so the workers live in a module with a
 # real dotted name (pytest may give this test file a different one).
 W = importlib.import_module("lessons.01_collectives.tests.workers")
 LESSON_DIR = Path(M.__file__).resolve().parent
 REPO_ROOT = LESSON_DIR.parent.parent
+MAIN_PY = LESSON_DIR / "main.py"
 
 
 # ----------------------------------------------------------------------------- pure functions
@@ -41,10 +47,24 @@ class TestChunksAndFormulas(unittest.TestCase):
                 for (_, end), (start, _) in zip(bounds, bounds[1:]):
                     self.assertEqual(end, start)
 
-    def test_docs_examples_of_chunks(self):
-        self.assertEqual(M.chunk_sizes(10, 4), [3, 3, 2, 2])
-        self.assertEqual(M.chunk_sizes(2, 4), [1, 1, 0, 0])
-        self.assertEqual(M.chunk_bounds(10, 4), [(0, 3), (3, 6), (6, 8), (8, 10)])
+    def test_ring_schedule_rotates_every_chunk_round_the_ring(self):
+        for world in range(1, 8):
+            numel = 3 * world + 1
+            bounds = [slice(*b) for b in M.chunk_bounds(numel, world)]
+            schedules = [M.ring_schedule(numel, world, rank, shift) for shift in (0, 1)
+                         for rank in range(world)]
+            for shift in (0, 1):
+                per_rank = schedules[shift * world:(shift + 1) * world]
+                for rank in range(world):
+                    self.assertEqual(len(per_rank[rank]), world - 1)
+                    for step, (_, recv) in enumerate(per_rank[rank]):
+                        # what rank r receives at step s is what rank r-1 sends at step s
+                        self.assertEqual(recv, per_rank[(rank - 1) % world][step][0])
+                    received = [bounds.index(recv) for _, recv in per_rank[rank]]
+                    if shift == 1 and world > 1:  # reduce-scatter: chunk r completes last
+                        self.assertEqual(received[-1], rank)
+                    if shift == 0:  # all-gather: every chunk but our own arrives once
+                        self.assertEqual(sorted(received), sorted(set(range(world)) - {rank}))
 
     def test_ring_bytes_equal_reference_formula_when_divisible(self):
         for world in (1, 2, 3, 4, 5, 8):
@@ -53,10 +73,18 @@ class TestChunksAndFormulas(unittest.TestCase):
                     exact = M.ring_bytes_sent(numel, 4, world, rank)["all_reduce"]
                     self.assertEqual(exact, M.ring_all_reduce_bytes_formula(numel * 4, world))
 
-    def test_ring_bytes_uneven(self):
+    def test_ring_bytes_uneven_and_bounded_by_2s(self):
         # chunk sizes of 10 over 4: [3, 3, 2, 2]; rank 1 skips chunk 1 (3) and chunk 2 (2)
         self.assertEqual(M.ring_bytes_sent(10, 1, 4, 1),
                          {"reduce_scatter": 7, "all_gather": 8, "all_reduce": 15})
+        for world in range(1, 70):
+            self.assertLess(M.ring_all_reduce_bytes_formula(1000, world), 2000)
+
+    def test_segmented_messages(self):
+        # 4096 elements over 4 ranks: chunks of 1024; pieces of 341 -> 4 per chunk, 3 chunks sent
+        self.assertEqual(C.segmented_messages(4096, 4, 0, 341), 12)
+        self.assertEqual(C.segmented_messages(4096, 4, 0, 1 << 18), 3)  # one piece per chunk
+        self.assertEqual(C.segmented_messages(2, 4, 3, 1), 2)  # chunks [1, 1, 0, 0]
 
     def test_tree_bytes_total_is_p_minus_1_times_s(self):
         for world in range(1, 17):
@@ -74,29 +102,55 @@ class TestChunksAndFormulas(unittest.TestCase):
                          [30, 20, 20, 20, 10])
         self.assertEqual(M.recursive_doubling_bytes_sent(10, 1, 0), 0)
 
+    def test_all_to_all_bytes(self):
+        # equal blocks of a 4,000-byte buffer on 4 ranks: every block but our own, 3/4 * S
+        self.assertEqual(M.all_to_all_bytes_sent([250] * 4, 4, 2), 3000)
+        self.assertEqual(M.all_to_all_bytes_sent([0, 5, 0], 8, 1), 0)  # only to itself
+        self.assertEqual(M.all_to_all_bytes_sent([0, 5, 0], 8, 0), 40)
+        self.assertEqual(M.all_to_all_bytes_sent([0, 5, 0], 8, 0, counts_exchanged=True), 56)
+        self.assertEqual(M.all_to_all_bytes_sent([7], 4, 0, counts_exchanged=True), 0)
+
     def test_alpha_beta_and_bus_bandwidth(self):
         self.assertAlmostEqual(M.alpha_beta_seconds("ring_all_reduce", 1000, 4, 1.0, 0.0), 6.0)
         self.assertAlmostEqual(M.alpha_beta_seconds("ring_all_reduce", 1000, 4, 0.0, 1.0), 1500.0)
         self.assertAlmostEqual(M.alpha_beta_seconds("recursive_doubling", 10, 8, 1.0, 0.1), 6.0)
+        self.assertAlmostEqual(M.alpha_beta_seconds("all_to_all", 1000, 4, 1.0, 1.0), 753.0)
         algbw, busbw = M.bus_bandwidth("all_reduce", 1e9, 0.1, 8)
         self.assertAlmostEqual(algbw, 1e10)
         self.assertAlmostEqual(busbw, 1.75e10)
+        self.assertAlmostEqual(M.bus_bandwidth("all_to_all", 1e9, 0.1, 8)[1], 8.75e9)
         with self.assertRaises(ValueError):
             M.alpha_beta_seconds("gossip", 1, 2, 1, 1)
 
     def test_fit_alpha_beta_recovers_the_model(self):
         alpha, beta, world = 2e-5, 1e-9, 4
-        rows = [{"bytes": size, "ours_s": M.alpha_beta_seconds("ring_all_reduce", size, world,
+        rows = [{"bytes": size, "ring_s": M.alpha_beta_seconds("ring_all_reduce", size, world,
                                                                alpha, beta)}
                 for size in (4096, 65536, 1 << 20, 1 << 24)]
-        fitted_alpha, fitted_beta = M.fit_alpha_beta(rows, world)
+        fitted_alpha, fitted_beta = B.fit_alpha_beta(rows, world)
         self.assertAlmostEqual(fitted_alpha / alpha, 1.0, places=6)
         self.assertAlmostEqual(fitted_beta / beta, 1.0, places=6)
+        self.assertLess(max(abs(r) for r in B.fit_residuals(rows, world, alpha, beta)), 1e-9)
+
+    def test_fit_weights_small_sizes_and_keeps_parameters_non_negative(self):
+        # 20% noise on the largest size: unweighted least squares would let it decide alpha
+        alpha, beta, world = 1e-4, 1e-9, 4
+        sizes = (4096, 16384, 65536, 1 << 20, 1 << 24)
+        rows = [{"bytes": s, "ring_s": M.alpha_beta_seconds("ring_all_reduce", s, world, alpha,
+                                                            beta) * (1.2 if s == 1 << 24 else 1)}
+                for s in sizes]
+        fitted_alpha, fitted_beta = B.fit_alpha_beta(rows, world)
+        self.assertAlmostEqual(fitted_alpha / alpha, 1.0, delta=0.05)
+        # pure bandwidth data plus noise that would make alpha negative: clamped to 0
+        rows = [{"bytes": s, "ring_s": 1.5 * s * 1e-9 * (0.9 if s == 4096 else 1)} for s in sizes]
+        fitted_alpha, fitted_beta = B.fit_alpha_beta(rows, world)
+        self.assertGreaterEqual(fitted_alpha, 0.0)
+        self.assertGreater(fitted_beta, 0.0)
 
     def test_ring_order_sum_is_the_ring_order(self):
         inputs = [torch.tensor([1e8, 1.0, -1e8], dtype=torch.float32) for _ in range(3)]
         inputs[1] = torch.tensor([1.0, 1e8, 1.0], dtype=torch.float32)
-        out = M.ring_order_sum(inputs)
+        out = C.ring_order_sum(inputs)
         # chunk 0 lives on rank 0: x0 + (x2 + x1); float32 loses the 1.0 next to 2e8
         expected0 = inputs[0][0] + (inputs[2][0] + inputs[1][0])
         self.assertEqual(out[0].item(), expected0.item())
@@ -104,19 +158,25 @@ class TestChunksAndFormulas(unittest.TestCase):
     def test_compare_catches_one_ulp_and_respects_the_bound(self):
         a = torch.tensor([1.0, 2.0])
         b = torch.nextafter(a, torch.tensor(3.0))
-        self.assertFalse(M.compare(a, b, None)[0])
-        self.assertTrue(M.compare(a, a.clone(), None)[0])
-        abs_sum = torch.tensor([1.0, 2.0], dtype=torch.float64)
-        bound = M.float_tolerance(abs_sum, 3, torch.float32)
-        self.assertTrue(M.compare(a, a + bound.float() * 0.5, bound)[0])
-        self.assertFalse(M.compare(a, a + bound.float() * 4, bound)[0])
+        self.assertFalse(compare(a, b, None)[0])
+        self.assertTrue(compare(a, a.clone(), None)[0])
+        bound = sum_order_tolerance(torch.tensor([1.0, 2.0], dtype=torch.float64), 3,
+                                    torch.float32)
+        self.assertTrue(compare(a, a + bound.float() * 0.5, bound)[0])
+        self.assertFalse(compare(a, a + bound.float() * 4, bound)[0])
 
-    def test_merge_rank_checks_fails_if_one_rank_fails(self):
-        ok = {"name": "x", "passed": True, "detail": "fine"}
-        bad = {"name": "x", "passed": False, "detail": "off by one"}
-        merged = merge_rank_checks([[ok], [bad], [ok]])
-        self.assertFalse(merged[0].passed)
-        self.assertIn("rank 1", merged[0].detail)
+    def test_uneven_counts_pattern(self):
+        for world in (1, 2, 3, 5):
+            self.assertEqual(C.uneven_counts(0, world, 0), [0] * world)  # numel 0: nothing sent
+            counts = [C.uneven_counts(rank, world, 1000) for rank in range(world)]
+            if world > 1:
+                self.assertIn(0, [c for row in counts for c in row])  # some blocks are empty
+                self.assertGreater(len({c for row in counts for c in row}), 2)  # and uneven
+
+
+class TestDocNumbers(unittest.TestCase):
+    """Numbers the README and the quiz quote, recomputed from main.py (integers: the same on
+    every machine)."""
 
     def test_readme_worked_numbers_come_from_the_code(self):
         readme = (LESSON_DIR / "README.md").read_text()
@@ -127,18 +187,35 @@ class TestChunksAndFormulas(unittest.TestCase):
             "7,875": M.ring_all_reduce_bytes_formula(4000, 64),
             "24,576": M.ring_bytes_sent(4096, 4, 4, 0)["all_reduce"],
             "6400 B": M.ring_bytes_sent(1000, 4, 5, 0)["all_reduce"],
-            "16,000": 4 * 4000,
+            "16,000": sum(M.tree_broadcast_bytes_sent(4000, 5, 4, r) for r in range(5)),
+            "3,000": M.all_to_all_bytes_sent([250] * 4, 4, 0),
+            "36,864": M.all_to_all_bytes_sent([1024] * 4, 12, 0),
+            "126 alpha": M.alpha_beta_seconds("ring_all_reduce", 0, 64, 1.0, 0.0),
+            "6 alpha": M.alpha_beta_seconds("recursive_doubling", 0, 64, 1.0, 0.0),
         }
         for text, value in numbers.items():
             self.assertIn(text, readme)
-            self.assertEqual(float(re.sub(r"[^\d.]", "", text)), float(value), text)
+            self.assertEqual(float(re.sub(r"[^\d.]", "", text.split()[0])), float(value), text)
+
+    def test_quiz_numeric_answers_come_from_the_code(self):
+        quiz = json.loads((LESSON_DIR / "quiz.json").read_text())
+        numeric = [q for q in quiz["questions"] if q["type"] == "numeric"]
+        self.assertGreaterEqual(len(numeric), 2)
+        for question in numeric:
+            spec = question["check"]
+            value = getattr(M, spec["function"])(**spec["kwargs"])
+            if "index" in spec:
+                value = value[spec["index"]]
+            value *= spec.get("scale", 1)
+            with self.subTest(question=question["id"]):
+                self.assertLessEqual(abs(value - question["answer"]), question["tolerance"])
 
 
 # ----------------------------------------------------------------------------- against torch
 
 
 class TestAgainstTorch(unittest.TestCase):
-    """One launch per world size; every case's checks must pass on every rank."""
+    """One launch per world size (1, 2, 3, 5) runs everything below on every rank."""
 
     WORLDS = (1, 2, 3, 5)
 
@@ -149,38 +226,73 @@ class TestAgainstTorch(unittest.TestCase):
             cases = [(0, "int64"), (1, "int64"), (world - 1, "int32"), (world + 1, "int64"),
                      (1000, "float32"), (1001, "float64"), (37, "bfloat16"), (64, "float16")]
             cls.results[world] = launch(W.suite_worker, world, (cases,), device="cpu",
-                                        timeout_s=60)
+                                        timeout_s=120)
 
     def test_every_check_passes_on_every_rank(self):
         for world, per_rank in self.results.items():
-            for index, case in enumerate(per_rank[0]):
-                merged = merge_rank_checks([rank_result[index]["checks"]
+            for index, case in enumerate(per_rank[0]["cases"]):
+                merged = merge_rank_checks([rank_result["cases"][index]["checks"]
                                             for rank_result in per_rank])
                 for check in merged:
                     with self.subTest(world=world, case=case["case"], check=check.name):
                         self.assertTrue(check.passed, check.detail)
 
     def test_checks_are_all_there(self):
-        names = [c["name"] for c in self.results[3][0][0]["checks"]]
-        self.assertEqual(len(names), 10)
-        self.assertTrue(any("bytes" in name for name in names))
+        names = [c["name"] for c in self.results[3][0]["cases"][0]["checks"]]
+        self.assertEqual(len(names), 15)
+        self.assertEqual(sum("== formula" in name for name in names), 5)
+        self.assertEqual(sum("all-to-all" in name for name in names), 4)
+
+    def test_all_to_all_patterns_of_later_lessons(self):
+        """Equal blocks with trailing dims (Ulysses), uneven blocks with zeros and unknown
+        counts (MoE dispatch), all empty, all to one rank, bad counts: against
+        all_to_all_single, exactly, with bytes equal to the formula."""
+        for world, per_rank in self.results.items():
+            for rank, result in enumerate(per_rank):
+                for case in result["all_to_all"]:
+                    for key, value in case.items():
+                        if key != "case":
+                            with self.subTest(world=world, rank=rank, case=case["case"], what=key):
+                                self.assertTrue(value)
+
+    def test_tree_broadcast_from_every_root(self):
+        for world, per_rank in self.results.items():
+            for result in per_rank:
+                self.assertEqual(result["roots"], [True] * world)
+
+    def test_planted_bugs_are_caught(self):
+        for world, per_rank in self.results.items():
+            for result in per_rank:
+                self.assertTrue(result["planted"]["good"])
+                if world > 1:  # one rank: the ring has no step to skip
+                    self.assertFalse(result["planted"]["skipped_step_passes"])
 
 
 class TestMultiProcessEdges(unittest.TestCase):
-    def test_broken_ring_is_caught(self):
-        results = launch(W.broken_ring_worker, 3, device="cpu", timeout_s=60)
-        self.assertTrue(all(r["good"] for r in results))
-        self.assertFalse(any(r["bad"] for r in results))
-
-    def test_tree_broadcast_from_every_root(self):
-        for flags in launch(W.all_roots_worker, 5, device="cpu", timeout_s=60):
-            self.assertEqual(flags, [True] * 5)
-
     def test_wrong_chunk_size_names_the_rank(self):
         with self.assertRaises(WorkerError) as caught:
             launch(W.wrong_chunk_worker, 2, device="cpu", timeout_s=30)
         self.assertIn("ValueError", str(caught.exception))
         self.assertRegex(str(caught.exception), r"rank \d: chunk has \d+ elements, expected")
+
+
+class TestTorchrun(unittest.TestCase):
+    """The demo joins a torchrun group instead of spawning: one node with two processes, and
+    two nodes of one process each meeting on loopback (c10d rendezvous)."""
+
+    def test_one_node_two_processes(self):
+        report = run_under_torchrun(MAIN_PY, ["--numel", "50", "--quick"], nproc_per_node=2)
+        self.assertTrue(report["passed"], report["checks"])
+        self.assertEqual(report["world_size"], 2)
+        self.assertEqual(report["metrics"]["bytes_sent_per_rank"], [200, 200])
+
+    def test_two_nodes_on_loopback(self):
+        report = run_under_torchrun(MAIN_PY, ["--numel", "51", "--dtype", "int64", "--quick"],
+                                    nproc_per_node=1, nnodes=2)
+        self.assertTrue(report["passed"], report["checks"])
+        self.assertEqual(report["world_size"], 2)
+        self.assertEqual(report["metrics"]["bytes_sent_per_rank"],
+                         [M.ring_bytes_sent(51, 8, 2, r)["all_reduce"] for r in range(2)])
 
 
 # ----------------------------------------------------------------------------- the CLI
@@ -196,25 +308,26 @@ class TestCommandLine(unittest.TestCase):
             (["--device", "tpu"], "invalid choice"),
             (["--fault", "crash", "--fault-rank", "4", "--world-size", "2"], "not a rank"),
             (["--timeout", "nan"], "not a finite number"),
+            (["--bench", "--world-size", "1"], "at least 2 ranks"),
         ]:
             with self.subTest(argv=argv):
-                assert_argument_error(self, M.parse_args, argv, fragment)
+                assert_argument_error(self, C.parse_args, argv, fragment)
 
     @unittest.skipIf(torch.cuda.device_count() >= 64, "needs fewer GPUs than --world-size")
     def test_cuda_without_gpus_is_an_argument_error(self):
-        assert_argument_error(self, M.parse_args, ["--device", "cuda", "--world-size", "64"], "GPU")
+        assert_argument_error(self, C.parse_args, ["--device", "cuda", "--world-size", "64"], "GPU")
 
     def test_script_bad_argument_has_no_traceback(self):
-        proc = subprocess.run([sys.executable, str(LESSON_DIR / "main.py"), "--numel", "x"],
+        proc = subprocess.run([sys.executable, str(MAIN_PY), "--numel", "x"],
                               capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
         self.assertEqual(proc.returncode, 2)
         self.assertNotIn("Traceback", proc.stderr)
         self.assertEqual(len(proc.stderr.strip().splitlines()[-1:]), 1)
 
     def test_crashing_rank_gives_one_clear_line(self):
-        proc = subprocess.run([sys.executable, str(LESSON_DIR / "main.py"), "--world-size", "3",
+        proc = subprocess.run([sys.executable, str(MAIN_PY), "--world-size", "3",
                                "--numel", "10", "--fault", "crash", "--fault-rank", "2",
-                               "--timeout", "30"],
+                               "--timeout", "30", "--device", "cpu"],
                               capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
         self.assertEqual(proc.returncode, 1)
         self.assertRegex(proc.stderr, r"error: rank 2 failed: RuntimeError: injected crash")
