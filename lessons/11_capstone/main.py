@@ -198,6 +198,7 @@ class GPTTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
         self.step = 0
+        self.rng_device = (device,) if device.type == "cuda" else ()  # its own CUDA generator only
         torch.manual_seed(config.seed * 7 + rank)  # dropout: a different stream per rank
 
     def train_step(self, data: torch.Tensor) -> float:
@@ -246,7 +247,7 @@ class GPTTrainer:
                 "fingerprint": self.config.fingerprint(), **slices,
                 "scheduler": self.scheduler.state_dict(),
                 "lr": [group["lr"] for group in self.optimizer.param_groups],
-                "rng": checkpointing.rng_state()}
+                "rng": checkpointing.rng_state(*self.rng_device)}
 
     def load_shards(self, shards: list[dict]) -> None:
         """Continue from every saved rank's shard_state(), in rank order (any N, also N != p):
@@ -267,7 +268,7 @@ class GPTTrainer:
         for group, lr in zip(self.optimizer.param_groups, shards[0]["lr"]):
             group["lr"] = lr
         if len(shards) == self.world:
-            checkpointing.set_rng_state(shards[self.rank]["rng"])
+            checkpointing.set_rng_state(shards[self.rank]["rng"], *self.rng_device)
 
 
 def resume(trainer: GPTTrainer, ckpt_dir: Path, reshard: bool) -> int:
