@@ -1,19 +1,19 @@
 """Lesson 11, the capstone: a character-level GPT trained end to end with data parallelism.
 
-Everything the course built, in one training run:
+Each earlier lesson isolated one technique; a run needs them together, and their interactions
+are where long runs break. In the order a step meets them:
 
-* the model: lesson 07's causal transformer layers in its TinyGPT (tied embeddings);
-* data parallelism: lesson 02's BucketedDDP ("ours") or torch's DistributedDataParallel;
-* gradient accumulation with no_sync, gradient clipping, AdamW, warmup + cosine LR (lesson 06's);
-* bf16 autocast on a GPU (lesson 07);
-* sharded checkpoints with lesson 06's Checkpointer and verified load (imported, not copied):
-  each rank saves 1/p of the parameters and AdamW states, so resuming on another number of
-  ranks works with --reshard and is refused without it;
-* a progress bar on rank 0, a loss-curve PNG, tokens/s and MFU (6N + attention FLOPs against a
-  table of device peaks; null on CPU), and a text sample at the end.
+1. data: the shipped corpus (sha256 checked), characters as tokens, each step's global batch a
+   pure function of (seed, step), split over ranks, then over micro-batches;
+2. the model and optimizer: lesson 07's TinyGPT under lesson 02's BucketedDDP (or torch DDP);
+   AdamW decaying 2-D tensors only (nanoGPT's groups), lesson 06's warmup + cosine schedule;
+3. the step: gradient accumulation under no_sync, global-norm clipping, bf16 autocast on GPU;
+4. checkpoints on lesson 06's protocol, each rank saving 1/p of every tensor (lesson 03's
+   shard_bounds); resume reassembles them on any number of ranks;
+5. the cost model: FLOPs per token (PaLM), tokens/s of the training steps, MFU.
 
-Run: `python lessons/11_capstone/main.py` (2 CPU ranks, a quick run), or on one GPU node
-`torchrun --standalone --nproc-per-node=8 lessons/11_capstone/main.py --steps 2000 --out runs/gpt`.
+The proof (resume bit for bit, resharding, our DDP against torch's), the progress bar, the loss
+plot, the sample and the CLI are in checks.py.
 """
 
 from __future__ import annotations
@@ -23,13 +23,9 @@ import dataclasses
 import hashlib
 import importlib
 import json
-import math
-import os
-import shutil
-import signal
 import sys
-import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the `lessons` package importable
@@ -39,34 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lessons._launch import RankContext, inject_fault, is_reporting_rank, launch, under_torchrun
-from lessons._report import (
-    Check,
-    Report,
-    check_args,
-    finish,
-    float_in,
-    int_in,
-    lesson_parser,
-    run_main,
-)
+memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT
+data_parallel = importlib.import_module("lessons.02_data_parallel.main")  # BucketedDDP
+zero = importlib.import_module("lessons.03_zero.main")  # shard_bounds
+checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # Checkpointer, load
 
-LESSON = "11_capstone"
-MEMORY = importlib.import_module("lessons.07_memory.main")  # TinyGPT (causal layers)
-DP = importlib.import_module("lessons.02_data_parallel.main")  # BucketedDDP
-ZERO = importlib.import_module("lessons.03_zero.main")  # shard_bounds
-CKPT = importlib.import_module("lessons.06_checkpointing.main")  # Checkpointer, verified load
 DATA = Path(__file__).resolve().with_name("data") / "coriolanus.txt"
 DATA_SHA256 = "2d9f15c52ff3588f742907c5889b11d3458bc47d44bde2e1f3cb6f8c9aa24169"
-
-# Dense bf16 tensor-core peaks in FLOP/s, by a substring of torch.cuda.get_device_name().
-DEVICE_PEAK_FLOPS = {
-    "H100 80GB HBM3": 989e12,  # H100 SXM
-    "H100 PCIe": 756e12,
-    "H200": 989e12,
-    "A100": 312e12,
-    "L4": 121e12,
-}
 
 # ============================================================================ 1. data
 
@@ -97,7 +72,7 @@ class CharTokenizer:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class GPTRunConfig:
     """Everything that defines a run; its fingerprint marks its checkpoints as its own.
     The global batch is fixed: each rank's micro-batch is global / (ranks x accumulation)."""
 
@@ -117,7 +92,9 @@ class RunConfig:
     dp: str = "ours"
 
     def fingerprint(self) -> str:
-        return CKPT.sha256_hex(json.dumps(dataclasses.asdict(self), sort_keys=True).encode())[:16]
+        """Every field counts (even `steps`: the cosine schedule depends on it)."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return checkpointing.sha256_hex(text.encode())[:16]
 
     def micro_batch(self, world: int) -> int:
         return micro_batch_size(self.global_batch, world, self.accum)
@@ -131,24 +108,241 @@ def micro_batch_size(global_batch: int, world: int, accum: int) -> int:
     return global_batch // (world * accum)
 
 
-def batch_for_step(data: torch.Tensor, config: RunConfig, step: int, rank: int, world: int,
+def batch_for_step(data: torch.Tensor, config: GPTRunConfig, step: int, rank: int, world: int,
                    micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Micro-batch `micro` of rank `rank` at `step`: the step's global batch of random windows
     (a generator seeded by (seed, step): the data cursor IS the step number) split over ranks,
     then over micro-batches. Same global batch for any number of ranks."""
     generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
     starts = torch.randint(0, data.numel() - config.seq - 1, (config.global_batch,), generator=generator)
-    size = config.micro_batch(world)
-    mine = starts[(rank * config.accum + micro) * size:(rank * config.accum + micro + 1) * size]
+    size, index = config.micro_batch(world), rank * config.accum + micro
+    mine = starts[index * size:(index + 1) * size]
     windows = torch.stack([data[s:s + config.seq + 1] for s in mine.tolist()])
     return windows[:, :-1], windows[:, 1:]
 
 
-# ============================================================================ 2. FLOPs and MFU
+# ============================================================================ 2. model and optimizer
 
 
-def count_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's parameter groups by nanoGPT's rule (model.py, configure_optimizers): every
+    tensor of 2 or more dimensions decays (the matmul weights and the embedding tables, the
+    tied token table once), the 1-D ones do not (biases, LayerNorm gains and shifts).
+
+    Decoupled weight decay shrinks a weight by lr x weight_decay x w each step; a LayerNorm
+    gain pulled toward 0 shrinks the signal itself, and a bias has no scale to regularise."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+# ============================================================================ 3. the training step
+
+
+def accumulation_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      scheduler, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                      clip: float) -> torch.Tensor:
+    """One optimizer step from this rank's `accum = len(micro_batches)` micro-batches.
+
+    micro_batches: [(tokens (b, s), targets (b, s))], long, on the model's device, equal sizes:
+    the rank's share of the step's global batch. `ddp` wraps `model` and has `no_sync()`. Per
+    micro-batch: forward through `ddp` and cross-entropy over every position (under bf16
+    autocast on CUDA, which runs cross_entropy in fp32), backward of loss / accum. All but
+    the last run under `ddp.no_sync()`, so their gradients add up locally and the last
+    backward all-reduces (averages over p ranks) the sum: .grad = (1/p) sum_r (1/accum)
+    sum_m grad(loss of micro-batch m of rank r), the gradient of the global batch's mean loss,
+    to float rounding. Then global-norm clipping: every gradient times min(1, clip / (||g|| +
+    1e-6)), ||g|| the 2-norm over all parameters (torch's clip_grad_norm_; after the
+    all-reduce each rank holds the whole gradient, so its local norm is the global one; under
+    ZeRO a rank must all-reduce its shard's sum of squares first, lesson 03). Then
+    optimizer.step(), scheduler.step(), zero_grad().
+
+    Cost: accum forwards and backwards of global_batch / (p accum) sequences and ONE
+    all-reduce of the gradients (2 (p-1)/p x 4N bytes), not accum of them.
+    Returns this rank's mean loss over its micro-batches (0-d, detached)."""
+    accum, losses = len(micro_batches), []
+    for index, (tokens, targets) in enumerate(micro_batches):
+        sync = contextlib.nullcontext() if index == accum - 1 else ddp.no_sync()
+        with sync:
+            with torch.autocast(tokens.device.type, dtype=torch.bfloat16, enabled=tokens.is_cuda):
+                logits = ddp(tokens)  # cross_entropy is on autocast's fp32 list: bf16 logits upcast
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            (loss / accum).backward()
+        losses.append(loss.detach())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return torch.stack(losses).mean()
+
+
+class GPTTrainer:
+    """One rank's run: lesson 07's TinyGPT (the same initial weights on every rank) under DDP,
+    AdamW (decay_groups) with lesson 06's warmup + cosine, the step. lesson 06's Checkpointer
+    uses shard_state() / load_shards(), `step`, `rank`, `world` and `config.fingerprint()`."""
+
+    def __init__(self, config: GPTRunConfig, rank: int, world: int, device: torch.device,
+                 vocab: int) -> None:
+        self.config, self.rank, self.world, self.device = config, rank, world, device
+        torch.manual_seed(config.seed)  # the same initial weights on every rank
+        self.model = memory.TinyGPT(vocab, config.hidden, config.heads, config.layers, config.seq,
+                                    dropout=config.dropout).to(device)
+        if config.dp not in ("ours", "torch"):
+            raise ValueError(f"unknown data parallelism {config.dp!r}: 'ours' or 'torch'")
+        self.ddp = (data_parallel.BucketedDDP(self.model) if config.dp == "ours" else
+                    torch.nn.parallel.DistributedDataParallel(
+                        self.model, device_ids=[device.index] if device.type == "cuda" else None))
+        self.named = list(self.model.named_parameters())
+        self.optimizer = torch.optim.AdamW(decay_groups(self.model, config.weight_decay),
+                                           lr=config.lr, foreach=False)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
+        self.step = 0
+        self.rng_device = (device,) if device.type == "cuda" else ()  # its own CUDA generator only
+        torch.manual_seed(config.seed * 7 + rank)  # dropout: a different stream per rank
+
+    def train_step(self, data: torch.Tensor) -> float:
+        """accumulation_step on this rank's micro-batches of step `self.step`; returns the
+        loss averaged over micro-batches and ranks (one all-reduce of a scalar, for the log)."""
+        micro = [tuple(t.to(self.device) for t in batch_for_step(data, self.config, self.step,
+                                                                 self.rank, self.world, m))
+                 for m in range(self.config.accum)]
+        loss = accumulation_step(self.ddp, self.model, self.optimizer, self.scheduler, micro,
+                                 self.config.clip)
+        self.step += 1
+        dist.all_reduce(loss)
+        return float(loss) / self.world
+
+    @torch.no_grad()
+    def evaluate(self, data: torch.Tensor, windows: int = 64) -> float:
+        """Mean loss on `windows` fixed windows of held-out text (eval mode: dropout neither
+        applies nor draws from the RNG, so evaluating never shifts the stream a resume replays)."""
+        self.model.eval()
+        generator = torch.Generator().manual_seed(12345)
+        starts = torch.randint(0, data.numel() - self.config.seq - 1, (windows,), generator=generator)
+        batch = torch.stack([data[s:s + self.config.seq + 1] for s in starts.tolist()]).to(self.device)
+        logits = self.model(batch[:, :-1])
+        self.model.train()
+        return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))
+
+    # ------------------------------------------------------------- 4. what a checkpoint holds
+    def shard_state(self) -> dict:
+        """This rank's part of a checkpoint (lesson 06's Checkpointer serialises it):
+        {"step", "rank", "world_size", "fingerprint", "params", "exp_avg", "exp_avg_sq":
+        {name: 1-D CPU copy of the rank's slice}, "adam_step": {name: AdamW's step counter},
+        "scheduler": LambdaLR state, "lr": [each group's LR], "rng": lesson 06's rng_state()}.
+        DDP replicates every tensor, yet rank r saves only flat[start:end], (start, end) =
+        zero.shard_bounds(numel, p, r): the ranks write in parallel and the checkpoint holds
+        each number once (3 x 4N bytes in all, not p times that). No moments before step 1."""
+        slices: dict[str, dict] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "adam_step": {}}
+        for name, param in self.named:
+            start, end = zero.shard_bounds(param.numel(), self.world, self.rank)
+            state = {"params": param.detach(), **self.optimizer.state.get(param, {})}
+            for key in ("params", "exp_avg", "exp_avg_sq"):
+                if key in state:
+                    slices[key][name] = state[key].reshape(-1)[start:end].cpu().clone()
+            if "step" in state:
+                slices["adam_step"][name] = state["step"].cpu().clone()
+        return {"step": self.step, "rank": self.rank, "world_size": self.world,
+                "fingerprint": self.config.fingerprint(), **slices,
+                "scheduler": self.scheduler.state_dict(),
+                "lr": [group["lr"] for group in self.optimizer.param_groups],
+                "rng": checkpointing.rng_state(*self.rng_device)}
+
+    def load_shards(self, shards: list[dict]) -> None:
+        """Continue from every saved rank's shard_state(), in rank order (any N, also N != p):
+        each full tensor is torch.cat of its N slices (exact) in the parameter's shape, copied
+        into the parameter and AdamW's state (with its step counter). Then the step, the
+        scheduler and the LR itself (the scheduler's state lacks the LR it last wrote: the
+        first resumed step would run at the initial LR, lesson 06). RNG states only when
+        N == p: rank r's dropout stream means nothing in another layout."""
+        for name, param in self.named:
+            full = {key: torch.cat([s[key][name] for s in shards]).view_as(param).to(param.device)
+                    for key in ("params", "exp_avg", "exp_avg_sq") if name in shards[0][key]}
+            with torch.no_grad():
+                param.copy_(full.pop("params"))
+            if full:
+                self.optimizer.state[param] = {"step": shards[0]["adam_step"][name].clone(), **full}
+        self.step = shards[0]["step"]
+        self.scheduler.load_state_dict(shards[0]["scheduler"])
+        for group, lr in zip(self.optimizer.param_groups, shards[0]["lr"]):
+            group["lr"] = lr
+        if len(shards) == self.world:
+            checkpointing.set_rng_state(shards[self.rank]["rng"], *self.rng_device)
+
+
+def resume(trainer: GPTTrainer, ckpt_dir: Path, reshard: bool) -> int:
+    """Continue `trainer` from `ckpt_dir`'s latest checkpoint (a collective: every rank calls
+    it). Lesson 06's verified load first: manifest, sizes, sha256 and the run's fingerprint,
+    another world size refused unless `reshard`; a CheckpointError names the file before any
+    tensor is used. Then trainer.load_shards(every shard). Rank 0 removes step directories
+    newer than the resumed step (rotation by step number would keep them over the new run's
+    checkpoints). Returns the resumed step."""
+    _, shards = checkpointing.load_latest(ckpt_dir, trainer.world, reshard, trainer.config.fingerprint())
+    trainer.load_shards(shards)
+    if trainer.rank == 0:
+        checkpointing.discard_newer_than(ckpt_dir, trainer.step)
+    dist.barrier()
+    return trainer.step
+
+
+def train(trainer: GPTTrainer, train_data: torch.Tensor, val_data: torch.Tensor,
+          checkpointer, after_step: Callable[[GPTTrainer, float], None] | None = None) -> dict:
+    """The run from trainer.step to config.steps: train_step, checkpointer.maybe_save (lesson
+    06's Checkpointer), the held-out loss at the start, every steps/4 and at the end, then
+    `after_step(trainer, loss)` (the harness's progress bar, or a kill). tokens/s counts the
+    training steps only: tokens / seconds inside train_step (GPU synchronised), without the
+    checkpoint saves, the evaluations and the first 2 steps after a (re)start (warm-up).
+    Returns {"losses": [(step, loss)], "val_losses": [(step, loss)], "tokens_per_s"}."""
+    config, started_at = trainer.config, trainer.step
+    losses, val_losses = [], [(trainer.step, trainer.evaluate(val_data))]
+    timed_tokens, timed_seconds = 0, 0.0
+    while trainer.step < config.steps:
+        started = time.perf_counter()
+        losses.append((trainer.step + 1, trainer.train_step(train_data)))
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+        if trainer.step > started_at + 2:
+            timed_seconds += time.perf_counter() - started
+            timed_tokens += config.global_batch * config.seq
+        checkpointer.maybe_save(trainer)
+        if trainer.step % max(1, config.steps // 4) == 0 or trainer.step == config.steps:
+            val_losses.append((trainer.step, trainer.evaluate(val_data)))
+        if after_step is not None:
+            after_step(trainer, losses[-1][1])
+    checkpointer.wait()
+    return {"losses": losses, "val_losses": val_losses,
+            "tokens_per_s": timed_tokens / timed_seconds if timed_seconds else None}
+
+
+# ============================================================================ 5. FLOPs and MFU
+
+# Dense bf16 tensor-core peaks (FLOP/s) by the EXACT name torch.cuda.get_device_name() gives
+# (NVIDIA's driver README, "Compatible GPUs", open-gpu-kernel-modules 560.31.02): half of the
+# "with sparsity" figures on nvidia.com/en-us/data-center/a100/, /h100/ and /h200/ (as
+# torchtitan's get_peak_flops cites them). An unlisted device gets no MFU, never a guess.
+DEVICE_PEAK_FLOPS = {
+    "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100-SXM4-80GB": 312e12,
+    "NVIDIA A100-PCIE-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12,
+    "NVIDIA H100 80GB HBM3": 989e12,  # H100 SXM
+    "NVIDIA H100 PCIe": 756e12,
+    "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12,  # H200 SXM (the H200 NVL reports "NVIDIA H200 NVL": not listed)
+}
+
+
+def peak_flops_for(device_name: str) -> float | None:
+    """The table's peak for exactly this device name, else None ("NVIDIA L4" is not
+    "NVIDIA L40S", and no substring of a name picks a peak)."""
+    return DEVICE_PEAK_FLOPS.get(device_name)
+
+
+def matmul_params(model: memory.TinyGPT) -> int:
+    """N for 6N: every parameter but the position table (an add, not a matmul); the tied
+    token embedding counts once, for the output head's matmul."""
+    return sum(p.numel() for p in model.parameters()) - model.pos.weight.numel()
 
 
 def flops_per_token(n_params: int, layers: int, hidden: int, seq: int) -> int:
@@ -157,385 +351,14 @@ def flops_per_token(n_params: int, layers: int, hidden: int, seq: int) -> int:
     return 6 * n_params + 12 * layers * hidden * seq
 
 
-def matmul_params(model: MEMORY.TinyGPT) -> int:
-    """N for 6N: every parameter but the position table (an add, not a matmul); the tied
-    token embedding counts once, for the output head's matmul."""
-    return count_params(model) - model.pos.weight.numel()
-
-
-def device_peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in DEVICE_PEAK_FLOPS.items() if key in name), None)
-
-
 def mfu(tokens_per_s: float, per_token: int, world: int, peak: float | None) -> float | None:
-    """Model FLOPs utilisation: achieved FLOP/s over the ranks' combined peak."""
+    """Model FLOPs utilisation: the share of the ranks' combined peak that the model's own
+    FLOPs use, tokens_per_s x per_token / (world x peak), with tokens_per_s over all ranks,
+    per_token from flops_per_token() (recomputation and padding do not count) and `peak` one
+    device's dense FLOP/s. None when peak is None (CPU, or a device the table lacks)."""
     return None if peak is None else tokens_per_s * per_token / (world * peak)
 
 
-# ============================================================================ 3. the trainer
-
-
-class Trainer:
-    """A rank's model, optimizer, schedule and state; its shard_state / load_shards are the
-    interface lesson 06's Checkpointer and verified load work with."""
-
-    def __init__(self, config: RunConfig, ctx: RankContext, vocab: int) -> None:
-        self.config, self.rank, self.world, self.device = config, ctx.rank, ctx.world_size, ctx.device
-        torch.manual_seed(config.seed)  # the same initial weights on every rank
-        self.model = MEMORY.TinyGPT(vocab, config.hidden, config.heads, config.layers, config.seq,
-                                    dropout=config.dropout).to(ctx.device)
-        if config.dp == "ours":
-            self.wrapped = DP.BucketedDDP(self.model)
-        elif config.dp == "torch":
-            ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-            self.wrapped = torch.nn.parallel.DistributedDataParallel(self.model, device_ids=ids)
-        else:
-            raise ValueError(f"unknown data parallelism {config.dp!r}: 'ours' or 'torch'")
-        self.named = list(self.model.named_parameters())
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
-                                           weight_decay=config.weight_decay, foreach=False)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, CKPT.cosine_with_warmup(config.warmup, config.steps))
-        self.step = 0
-        torch.manual_seed(config.seed * 7 + ctx.rank)  # dropout: a different stream per rank
-
-    def train_step(self, data: torch.Tensor) -> float:
-        """One optimizer step: `accum` micro-batches (all but the last under no_sync), clip,
-        AdamW, LR schedule. Returns the loss averaged over micro-batches and ranks."""
-        total = torch.zeros((), device=self.device)
-        autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
-                    else contextlib.nullcontext())
-        for micro in range(self.config.accum):
-            tokens, targets = (t.to(self.device) for t in
-                               batch_for_step(data, self.config, self.step, self.rank, self.world, micro))
-            sync = contextlib.nullcontext() if micro == self.config.accum - 1 else self.wrapped.no_sync()
-            with sync:
-                with autocast:
-                    logits = self.wrapped(tokens)
-                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
-                (loss / self.config.accum).backward()
-            total += loss.detach() / self.config.accum
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.clip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        dist.all_reduce(total)
-        return float(total) / self.world
-
-    # ------------------------------------------------------------- what a checkpoint holds
-    def shard_state(self) -> dict:
-        """1/p of every parameter and AdamW state (ZERO.shard_bounds slices of the flattened
-        tensors), the replicated small state, and this rank's RNG states."""
-        params, exp_avg, exp_avg_sq, adam_step = {}, {}, {}, {}
-        for name, param in self.named:
-            start, end = ZERO.shard_bounds(param.numel(), self.world, self.rank)
-            params[name] = param.detach().reshape(-1)[start:end].cpu().clone()
-            state = self.optimizer.state.get(param, {})
-            if state:
-                exp_avg[name] = state["exp_avg"].reshape(-1)[start:end].cpu().clone()
-                exp_avg_sq[name] = state["exp_avg_sq"].reshape(-1)[start:end].cpu().clone()
-                adam_step[name] = state["step"].cpu().clone()
-        return {"step": self.step, "rank": self.rank, "world_size": self.world,
-                "fingerprint": self.config.fingerprint(), "params": params, "exp_avg": exp_avg,
-                "exp_avg_sq": exp_avg_sq, "adam_step": adam_step,
-                "scheduler": self.scheduler.state_dict(),
-                "lr": [group["lr"] for group in self.optimizer.param_groups],
-                "rng": CKPT.rng_state()}
-
-    def load_shards(self, shards: list[dict]) -> None:
-        """Reassemble every full tensor from the N saved slices (any N), then continue. RNG
-        states are restored only when N == p (a rank's stream means nothing in another layout)."""
-        for name, param in self.named:
-            with torch.no_grad():
-                param.copy_(torch.cat([s["params"][name] for s in shards]).view_as(param))
-            if name in shards[0]["exp_avg"]:
-                full = {key: torch.cat([s[key][name] for s in shards]).view_as(param).to(param.device)
-                        for key in ("exp_avg", "exp_avg_sq")}
-                self.optimizer.state[param] = {"step": shards[0]["adam_step"][name].clone(), **full}
-        first = shards[0]
-        self.step = first["step"]
-        self.scheduler.load_state_dict(first["scheduler"])
-        for group, lr in zip(self.optimizer.param_groups, first["lr"]):
-            group["lr"] = lr  # lesson 06: the scheduler's state does not restore the LR itself
-        if len(shards) == self.world:
-            CKPT.set_rng_state(shards[self.rank]["rng"])
-
-    def param_sha256(self) -> str:
-        digest = hashlib.sha256()
-        for _, param in self.named:
-            digest.update(param.detach().float().cpu().contiguous().numpy().tobytes())
-        return digest.hexdigest()
-
-    @torch.no_grad()
-    def evaluate(self, data: torch.Tensor, batches: int = 4) -> float:
-        """Mean loss on fixed windows of held-out text (dropout off)."""
-        self.model.eval()
-        generator = torch.Generator().manual_seed(12345)
-        total = 0.0
-        for _ in range(batches):
-            starts = torch.randint(0, data.numel() - self.config.seq - 1, (16,), generator=generator)
-            windows = torch.stack([data[s:s + self.config.seq + 1] for s in starts.tolist()]).to(self.device)
-            logits = self.model(windows[:, :-1])
-            total += float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                           windows[:, 1:].reshape(-1)))
-        self.model.train()
-        return total / batches
-
-    @torch.no_grad()
-    def sample(self, tokenizer: CharTokenizer, prompt: str, chars: int, temperature: float = 0.8) -> str:
-        """Continue `prompt` one character at a time (a fixed generator: the same text each run)."""
-        self.model.eval()
-        generator = torch.Generator().manual_seed(self.config.seed)
-        ids = tokenizer.encode(prompt).tolist()
-        for _ in range(chars):
-            context = torch.tensor([ids[-self.config.seq:]], device=self.device)
-            logits = self.model(context)[0, -1].float().cpu() / temperature
-            ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)))
-        self.model.train()
-        return tokenizer.decode(ids)
-
-
-# ============================================================================ 4. the run
-
-
-def train_worker(ctx: RankContext, config: dict, ckpt_dir: str, save_every: int, keep: int,
-                 resume: bool, reshard: bool, kill_at: int | None, sample_chars: int,
-                 fault: str | None, fault_rank: int) -> dict:
-    inject_fault(ctx, fault, fault_rank)
-    config = RunConfig(**config)
-    text = load_text()
-    tokenizer = CharTokenizer(text)
-    data = tokenizer.encode(text)
-    split = int(0.9 * data.numel())
-    train, val = data[:split], data[split:]
-    trainer = Trainer(config, ctx, len(tokenizer.chars))
-    ckpt = Path(ckpt_dir)
-    resumed_from = None
-    if resume:
-        _, shards = CKPT.load_latest(ckpt, ctx.world_size, reshard, config.fingerprint())
-        trainer.load_shards(shards)
-        resumed_from = trainer.step
-        if ctx.rank == 0:
-            CKPT.discard_newer_than(ckpt, trainer.step)
-        dist.barrier()
-    checkpointer = CKPT.Checkpointer(ckpt, keep=keep, save_every=save_every)
-    losses, val_losses = [], [(trainer.step, trainer.evaluate(val))]
-    progress = _progress(ctx.rank == 0 and sys.stdout.isatty(), config.steps, trainer.step)
-    timed_tokens, timed_seconds = 0, 0.0
-    with progress:
-        while trainer.step < config.steps:
-            started = time.perf_counter()
-            losses.append((trainer.step + 1, trainer.train_step(train)))
-            if ctx.device.type == "cuda":
-                torch.cuda.synchronize()
-            if trainer.step > (resumed_from or 0) + 2:  # the first steps warm up caches
-                timed_seconds += time.perf_counter() - started
-                timed_tokens += config.global_batch * config.seq
-            checkpointer.maybe_save(trainer)
-            if trainer.step % max(1, config.steps // 4) == 0 or trainer.step == config.steps:
-                val_losses.append((trainer.step, trainer.evaluate(val)))
-            progress.advance(losses[-1][1])
-            if kill_at is not None and trainer.step == kill_at and ctx.rank == 0:
-                os.kill(os.getpid(), signal.SIGKILL)  # as an OOM killer or a node failure would
-    checkpointer.wait()
-    tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
-    per_token = flops_per_token(matmul_params(trainer.model), config.layers, config.hidden, config.seq)
-    result = {"rank": ctx.rank, "param_sha256": trainer.param_sha256(), "resumed_from": resumed_from}
-    if ctx.rank == 0:
-        result.update({
-            "losses": losses, "val_losses": val_losses, "params": count_params(trainer.model),
-            "vocab": len(tokenizer.chars), "tokens_per_s": tokens_per_s, "flops_per_token": per_token,
-            "mfu": mfu(tokens_per_s, per_token, ctx.world_size, device_peak_flops(ctx.device))
-            if tokens_per_s else None,
-            "device_name": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
-            "sample": trainer.sample(tokenizer, "MARCIUS:\n", sample_chars) if sample_chars else ""})
-    return result
-
-
-class _progress:
-    """A rich progress bar on rank 0 in a terminal; nothing otherwise."""
-
-    def __init__(self, enabled: bool, total: int, start: int) -> None:
-        self.bar = None
-        if enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn())
-            self.task = self.bar.add_task("train", total=total, completed=start, loss="-")
-
-    def __enter__(self):
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar is not None:
-            self.bar.stop()
-        return False
-
-    def advance(self, loss: float) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, advance=1, loss=f"{loss:.3f}")
-
-
-def plot_losses(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
-    steps, losses = zip(*result["losses"])
-    ax.plot(steps, losses, label="train (mean over ranks)")
-    val_steps, val = zip(*result["val_losses"])
-    ax.plot(val_steps, val, "o-", label="held out")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/char)")
-    ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-# ============================================================================ the demo
-
-
-def parse_args(argv: list[str] | None = None):
-    parser = lesson_parser("A character-level GPT trained with data parallelism, accumulation, "
-                           "clipping, sharded checkpoints and exact resume.", world_size=2)
-    defaults = RunConfig()
-    parser.add_argument("--steps", type=int_in(2, 10**7), default=defaults.steps,
-                        help=f"optimizer steps (default {defaults.steps})")
-    parser.add_argument("--layers", type=int_in(1, 64), default=defaults.layers)
-    parser.add_argument("--hidden", type=int_in(8, 8192), default=defaults.hidden)
-    parser.add_argument("--heads", type=int_in(1, 128), default=defaults.heads)
-    parser.add_argument("--seq", type=int_in(2, 4096), default=defaults.seq, help="context (characters)")
-    parser.add_argument("--global-batch", type=int_in(1), default=defaults.global_batch,
-                        help="sequences per optimizer step over all ranks")
-    parser.add_argument("--accum", type=int_in(1, 1024), default=defaults.accum,
-                        help="micro-batches per rank per step (gradient accumulation)")
-    parser.add_argument("--lr", type=float_in(1e-7, 10.0), default=defaults.lr)
-    parser.add_argument("--warmup", type=int_in(0), default=defaults.warmup)
-    parser.add_argument("--clip", type=float_in(1e-6, 1e6), default=defaults.clip,
-                        help="max global gradient norm")
-    parser.add_argument("--dropout", type=float_in(0.0, 0.9), default=defaults.dropout)
-    parser.add_argument("--dp", choices=("ours", "torch"), default=defaults.dp,
-                        help="lesson 02's BucketedDDP or torch DistributedDataParallel")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="checkpoints, loss.png and metrics go here (default: a new temporary "
-                             "directory, printed)")
-    parser.add_argument("--save-every", type=int_in(1), default=None,
-                        help="checkpoint every N steps (default: steps / 2)")
-    parser.add_argument("--keep", type=int_in(1), default=2, help="checkpoints kept (default 2)")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
-    parser.add_argument("--reshard", action="store_true",
-                        help="allow resuming on a different number of ranks")
-    parser.add_argument("--kill-at-step", type=int_in(1), default=None,
-                        help="rank 0 SIGKILLs itself after this step (to try --resume)")
-    parser.add_argument("--sample-chars", type=int_in(0, 100000), default=200)
-    parser.add_argument("--no-resume-check", action="store_true",
-                        help="skip the demo's check that resuming from the middle is bit-exact")
-    args = parser.parse_args(argv)
-    check_args(parser, args)
-    if args.hidden % args.heads:
-        parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
-    try:
-        micro_batch_size(args.global_batch, world, args.accum)
-    except ValueError as exc:
-        parser.error(f"--global-batch {args.global_batch}: {exc} (--accum {args.accum})")
-    if args.out is None and (args.resume or args.kill_at_step is not None or under_torchrun()):
-        parser.error("--out is required with --resume, --kill-at-step and under torchrun (every rank "
-                     "must write its shard to the same directory)")
-    if args.quick:
-        args.steps = min(args.steps, 40)
-    if args.save_every is None:
-        args.save_every = max(1, args.steps // 2)
-    return args
-
-
-def config_from(args) -> RunConfig:
-    return RunConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
-                     global_batch=args.global_batch, accum=args.accum, steps=args.steps, lr=args.lr,
-                     warmup=args.warmup, clip=args.clip, dropout=args.dropout, seed=args.seed,
-                     dp=args.dp)
-
-
-def run(args, config: RunConfig, ckpt: Path, resume: bool, kill_at: int | None,
-        sample_chars: int) -> list[dict]:
-    return launch(train_worker, args.world_size,
-                  (dataclasses.asdict(config), str(ckpt), args.save_every, args.keep, resume,
-                   args.reshard, kill_at, sample_chars, args.fault, args.fault_rank),
-                  device=args.device, timeout_s=max(args.timeout, 600.0))
-
-
-def resume_from_middle(args, config: RunConfig, ckpt: Path, scratch: Path) -> list[dict]:
-    """Copy the checkpoints, point `latest` at the middle one, resume to the end."""
-    copy = scratch / "resume-check"
-    shutil.copytree(ckpt, copy)
-    middle = CKPT.committed_steps(copy)[0]
-    CKPT.atomic_write_bytes(copy / CKPT.LATEST, (CKPT.step_dir_name(middle) + "\n").encode())
-    return run(args, config, copy, True, None, 0)
-
-
-def main(argv: list[str] | None = None) -> int:
-    started = time.monotonic()
-    args = parse_args(argv)
-    config = config_from(args)
-    scratch = Path(tempfile.mkdtemp(prefix="capstone-"))
-    out = args.out if args.out is not None else scratch / "out"
-    ckpt = out / "checkpoints"
-    if not args.resume and ckpt.exists() and any(ckpt.iterdir()):
-        print(f"error: {ckpt} already holds checkpoints: pass --resume to continue them, or "
-              "choose another --out", file=sys.stderr)
-        return 2
-    ckpt.mkdir(parents=True, exist_ok=True)
-    try:
-        results = run(args, config, ckpt, args.resume, args.kill_at_step, args.sample_chars)
-        first = results[0]
-        checks = [Check("corpus verified (sha256 of the shipped text)", True,
-                        f"{DATA.name}: {DATA.stat().st_size:,} bytes, {first['vocab']} characters")]
-        digests = {r["param_sha256"] for r in results}
-        checks.append(Check("every rank ends with the same weights", len(digests) == 1,
-                            f"{len(results)} rank(s): {sorted(digests)[0][:16]}..."))
-        start_val, end_val = first["val_losses"][0][1], first["val_losses"][-1][1]
-        checks.append(Check("held-out loss went down", end_val < start_val - 0.3,
-                            f"{start_val:.3f} -> {end_val:.3f} nats/char (uniform: "
-                            f"{math.log(first['vocab']):.3f})"))
-        resume_metrics = None
-        on_cpu = first["device_name"] == "cpu"
-        if not (args.resume or args.no_resume_check or under_torchrun()) and on_cpu \
-                and len(CKPT.committed_steps(ckpt)) >= 2:
-            resumed = resume_from_middle(args, config, ckpt, scratch)
-            same = resumed[0]["param_sha256"] == first["param_sha256"]
-            checks.append(Check("resume from the middle checkpoint == the uninterrupted run (bitwise)",
-                                same, f"resumed at step {resumed[0]['resumed_from']} of {config.steps}: "
-                                      f"{resumed[0]['param_sha256'][:16]}..."))
-            resume_metrics = resumed[0]["resumed_from"]
-        if is_reporting_rank():
-            plot_losses(first, out / "loss.png")
-            print(f"loss curve: {out / 'loss.png'}\n--- sample ---\n{first['sample']}\n--------------")
-        metrics = {
-            "final_param_sha256": first["param_sha256"], "tokens_per_s": first["tokens_per_s"],
-            "mfu": first["mfu"], "device_name": first["device_name"], "params": first["params"],
-            "flops_per_token": first["flops_per_token"], "final_train_loss": first["losses"][-1][1]
-            if first["losses"] else None, "final_val_loss": end_val, "val_losses": first["val_losses"],
-            "resumed_from": first["resumed_from"], "resume_check_from": resume_metrics,
-            "config": dataclasses.asdict(config), "out": str(out), "sample": first["sample"],
-            "headline": f"held-out {start_val:.3f} -> {end_val:.3f} nats/char; "
-                        f"{first['tokens_per_s'] or 0:,.0f} tokens/s"}
-        device = first["device_name"]
-        return finish(Report(LESSON, device, "nccl" if device != "cpu" else "gloo", len(results), checks,
-                             metrics), args.json, started)
-    finally:
-        if args.out is None:
-            # keep the loss curve where the learner can see it; drop the checkpoints
-            shutil.rmtree(ckpt, ignore_errors=True)
-        shutil.rmtree(scratch / "resume-check", ignore_errors=True)
-
-
-if __name__ == "__main__":
-    run_main(main)
+if __name__ == "__main__":  # the checks, the report and the CLI: checks.py
+    from lessons._report import run_harness
+    run_harness(__file__)

@@ -1,0 +1,309 @@
+"""Lesson 11's harness: the run as a learner launches it, and the proof that it is right.
+
+* `train_worker`: one rank's run of main.py's technique with the harness's extras: fault
+  injection, a progress bar on rank 0, a real SIGKILL at --kill-at-step, the weights' digest,
+  a text sample;
+* the demo's checks: the shipped corpus, every rank ends with the same weights, the held-out
+  loss fell, and a run resumed from the middle checkpoint ends bit for bit where the
+  uninterrupted one did (two runs on the same machine: see the README on other CPUs);
+* the MFU metric (null and a one-line warning on a GPU the peak table lacks), the loss plot
+  and the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from lessons._checks import tensor_digest
+from lessons._launch import RankContext, inject_fault, is_reporting_rank, launch, under_torchrun
+from lessons._report import Check, Report, check_args, finish, float_in, int_in, lesson_parser
+
+from . import main as capstone
+
+checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # lesson 06's technique
+
+LESSON = "11_capstone"
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, tokenizer: capstone.CharTokenizer, prompt: str, chars: int,
+           seq: int, seed: int, temperature: float = 0.8) -> str:
+    """Continue `prompt` one character at a time (a fixed generator: the same text each run
+    on one machine)."""
+    model.eval()
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    ids = tokenizer.encode(prompt).tolist()
+    for _ in range(chars):
+        logits = model(torch.tensor([ids[-seq:]], device=device))[0, -1].float().cpu() / temperature
+        ids.append(int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)))
+    model.train()
+    return tokenizer.decode(ids)
+
+
+class ProgressBar:
+    """A rich progress bar on rank 0 in a terminal; nothing otherwise."""
+
+    def __init__(self, enabled: bool, total: int, start: int) -> None:
+        self.bar = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("loss {task.fields[loss]}"), TimeRemainingColumn())
+            self.task = self.bar.add_task("train", total=total, completed=start, loss="-")
+
+    def __enter__(self):
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+        return False
+
+    def advance(self, loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(self.task, advance=1, loss=f"{loss:.3f}")
+
+
+def train_worker(ctx: RankContext, config: dict, ckpt_dir: str, save_every: int, keep: int,
+                 resume: bool, reshard: bool, kill_at: int | None, sample_chars: int,
+                 fault: str | None, fault_rank: int) -> dict:
+    """One rank: load and split the corpus (90% train), build a GPTTrainer, resume if asked,
+    train with checkpoints, and return plain data (rank 0 adds the curves and a sample)."""
+    inject_fault(ctx, fault, fault_rank)
+    config = capstone.GPTRunConfig(**config)
+    text = capstone.load_text()
+    tokenizer = capstone.CharTokenizer(text)
+    data = tokenizer.encode(text)
+    split = int(0.9 * data.numel())
+    trainer = capstone.GPTTrainer(config, ctx.rank, ctx.world_size, ctx.device, len(tokenizer.chars))
+    resumed_from = capstone.resume(trainer, Path(ckpt_dir), reshard) if resume else None
+    checkpointer = checkpointing.Checkpointer(Path(ckpt_dir), keep=keep, save_every=save_every)
+    bar = ProgressBar(ctx.rank == 0 and sys.stdout.isatty(), config.steps, trainer.step)
+
+    def after_step(trainer: capstone.GPTTrainer, loss: float) -> None:
+        bar.advance(loss)
+        if kill_at is not None and trainer.step == kill_at and ctx.rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # as an OOM killer or a node failure would
+
+    with bar:
+        run = capstone.train(trainer, data[:split], data[split:], checkpointer, after_step)
+    result = {"rank": ctx.rank, "param_sha256": tensor_digest(dict(trainer.named)),
+              "resumed_from": resumed_from}
+    if ctx.rank == 0:
+        per_token = capstone.flops_per_token(capstone.matmul_params(trainer.model), config.layers,
+                                             config.hidden, config.seq)
+        on_gpu = ctx.device.type == "cuda"
+        result.update(run, params=count_params(trainer.model), vocab=len(tokenizer.chars),
+                      flops_per_token=per_token,
+                      device_name=torch.cuda.get_device_name(ctx.device) if on_gpu else "cpu",
+                      sample=sample(trainer.model, tokenizer, "MARCIUS:\n", sample_chars, config.seq,
+                                    config.seed) if sample_chars else "")
+    return result
+
+
+def mfu_metric(tokens_per_s: float | None, per_token: int, world: int,
+               device_name: str) -> tuple[float | None, str | None]:
+    """(MFU, warning): MFU against the peak table on a listed GPU; None on CPU (no warning:
+    there is no peak to divide by) and None with a one-line warning naming any other device."""
+    peak = capstone.peak_flops_for(device_name)
+    warning = None
+    if peak is None and device_name != "cpu":
+        warning = (f"warning: no datasheet peak for {device_name!r} in DEVICE_PEAK_FLOPS: MFU is "
+                   "null (add the device's dense bf16 peak, with its source, to report one)")
+    if tokens_per_s is None:
+        return None, warning
+    return capstone.mfu(tokens_per_s, per_token, world, peak), warning
+
+
+def plot_losses(result: dict, path: Path) -> None:
+    """Training loss (mean over ranks) per step and held-out loss, as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    steps, losses = zip(*result["losses"])
+    ax.plot(steps, losses, label="train (mean over ranks)")
+    val_steps, val = zip(*result["val_losses"])
+    ax.plot(val_steps, val, "o-", label="held out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/char)")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ============================================================================ the demo
+
+
+def parse_args(argv: list[str] | None = None):
+    parser = lesson_parser("A character-level GPT trained with data parallelism, accumulation, "
+                           "clipping, sharded checkpoints and exact resume.", world_size=2)
+    defaults = capstone.GPTRunConfig()
+    parser.add_argument("--steps", type=int_in(2, 10**7), default=defaults.steps,
+                        help=f"optimizer steps (default {defaults.steps})")
+    parser.add_argument("--layers", type=int_in(1, 64), default=defaults.layers)
+    parser.add_argument("--hidden", type=int_in(8, 8192), default=defaults.hidden)
+    parser.add_argument("--heads", type=int_in(1, 128), default=defaults.heads)
+    parser.add_argument("--seq", type=int_in(2, 4096), default=defaults.seq, help="context (characters)")
+    parser.add_argument("--global-batch", type=int_in(1), default=defaults.global_batch,
+                        help="sequences per optimizer step over all ranks")
+    parser.add_argument("--accum", type=int_in(1, 1024), default=defaults.accum,
+                        help="micro-batches per rank per step (gradient accumulation)")
+    parser.add_argument("--lr", type=float_in(1e-7, 10.0), default=defaults.lr)
+    parser.add_argument("--warmup", type=int_in(0), default=defaults.warmup)
+    parser.add_argument("--clip", type=float_in(1e-6, 1e6), default=defaults.clip,
+                        help="max global gradient norm")
+    parser.add_argument("--weight-decay", type=float_in(0.0, 1.0), default=defaults.weight_decay,
+                        help="AdamW's decoupled decay of the 2-D tensors")
+    parser.add_argument("--dropout", type=float_in(0.0, 0.9), default=defaults.dropout)
+    parser.add_argument("--dp", choices=("ours", "torch"), default=defaults.dp,
+                        help="lesson 02's BucketedDDP or torch DistributedDataParallel")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="checkpoints, loss.png and metrics go here (default: a new temporary "
+                             "directory, printed)")
+    parser.add_argument("--save-every", type=int_in(1), default=None,
+                        help="checkpoint every N steps (default: steps / 2)")
+    parser.add_argument("--keep", type=int_in(1), default=2, help="checkpoints kept (default 2)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT's latest checkpoint")
+    parser.add_argument("--reshard", action="store_true",
+                        help="allow resuming on a different number of ranks")
+    parser.add_argument("--kill-at-step", type=int_in(1), default=None,
+                        help="rank 0 SIGKILLs itself after this step (to try --resume)")
+    parser.add_argument("--sample-chars", type=int_in(0, 100000), default=200)
+    parser.add_argument("--no-resume-check", action="store_true",
+                        help="skip the demo's check that resuming from the middle is bit-exact")
+    args = parser.parse_args(argv)
+    check_args(parser, args)
+    if args.hidden % args.heads:
+        parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    try:
+        capstone.micro_batch_size(args.global_batch, world, args.accum)
+    except ValueError as exc:
+        parser.error(f"--global-batch {args.global_batch}: {exc} (--accum {args.accum})")
+    if args.out is None and (args.resume or args.kill_at_step is not None or under_torchrun()):
+        parser.error("--out is required with --resume, --kill-at-step and under torchrun (every rank "
+                     "must write its shard to the same directory)")
+    if args.quick:
+        args.steps = min(args.steps, 40)
+    if args.save_every is None:
+        args.save_every = max(1, args.steps // 2)
+    return args
+
+
+def config_from(args) -> capstone.GPTRunConfig:
+    return capstone.GPTRunConfig(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+        global_batch=args.global_batch, accum=args.accum, steps=args.steps, lr=args.lr,
+        warmup=args.warmup, clip=args.clip, weight_decay=args.weight_decay, dropout=args.dropout,
+        seed=args.seed, dp=args.dp)
+
+
+def run(args, config: capstone.GPTRunConfig, ckpt: Path, resume: bool, kill_at: int | None,
+        sample_chars: int) -> list[dict]:
+    return launch(train_worker, args.world_size,
+                  (dataclasses.asdict(config), str(ckpt), args.save_every, args.keep, resume,
+                   args.reshard, kill_at, sample_chars, args.fault, args.fault_rank),
+                  device=args.device, timeout_s=max(args.timeout, 600.0))
+
+
+def resume_from_middle(args, config: capstone.GPTRunConfig, ckpt: Path, scratch: Path) -> list[dict]:
+    """Copy the checkpoints, point `latest` at the oldest kept one, resume to the end."""
+    copy = scratch / "resume-check"
+    shutil.copytree(ckpt, copy)
+    middle = checkpointing.committed_steps(copy)[0]
+    checkpointing.atomic_write_bytes(copy / checkpointing.LATEST,
+                                     (checkpointing.step_dir_name(middle) + "\n").encode())
+    return run(args, config, copy, True, None, 0)
+
+
+def why_no_resume_check(args, device_name: str, ckpt: Path) -> str | None:
+    """Why the demo cannot check a bitwise resume here (None: it can)."""
+    if args.resume or args.no_resume_check:
+        return "skipped: " + ("--resume" if args.resume else "--no-resume-check")
+    if under_torchrun():
+        return "skipped under torchrun (the check launches a second run; try --resume yourself)"
+    if device_name != "cpu":
+        return "skipped on CUDA (atomics-based kernels are not bitwise deterministic)"
+    if len(checkpointing.committed_steps(ckpt)) < 2:
+        return "skipped: fewer than 2 checkpoints kept"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
+    args = parse_args(argv)
+    config = config_from(args)
+    scratch = Path(tempfile.mkdtemp(prefix="capstone-"))
+    out = args.out if args.out is not None else scratch / "out"
+    ckpt = out / "checkpoints"
+    if not args.resume and ckpt.exists() and any(ckpt.iterdir()):
+        print(f"error: {ckpt} already holds checkpoints: pass --resume to continue them, or "
+              "choose another --out", file=sys.stderr)
+        return 2
+    ckpt.mkdir(parents=True, exist_ok=True)
+    try:
+        results = run(args, config, ckpt, args.resume, args.kill_at_step, args.sample_chars)
+        first = results[0]
+        checks = [Check("corpus verified (sha256 of the shipped text)", True,
+                        f"{capstone.DATA.name}: {capstone.DATA.stat().st_size:,} bytes, "
+                        f"{first['vocab']} characters")]
+        digests = {r["param_sha256"] for r in results}
+        checks.append(Check("every rank ends with the same weights", len(digests) == 1,
+                            f"{len(results)} rank(s): {sorted(digests)[0][:16]}..."))
+        start_val, end_val = first["val_losses"][0][1], first["val_losses"][-1][1]
+        checks.append(Check("held-out loss went down", end_val < start_val - 0.3,
+                            f"{start_val:.3f} -> {end_val:.3f} nats/char (uniform: "
+                            f"{math.log(first['vocab']):.3f})"))
+        resume_check = why_no_resume_check(args, first["device_name"], ckpt)
+        if resume_check is None:
+            resumed = resume_from_middle(args, config, ckpt, scratch)
+            same = resumed[0]["param_sha256"] == first["param_sha256"]
+            checks.append(Check("resume from the middle checkpoint == the uninterrupted run (bitwise)",
+                                same, f"resumed at step {resumed[0]['resumed_from']} of {config.steps}: "
+                                      f"{resumed[0]['param_sha256'][:16]}..."))
+            resume_check = f"bitwise from step {resumed[0]['resumed_from']}"
+        mfu, warning = mfu_metric(first["tokens_per_s"], first["flops_per_token"], len(results),
+                                  first["device_name"])
+        if is_reporting_rank():
+            if warning:
+                print(warning, file=sys.stderr)
+            plot_losses(first, out / "loss.png")
+            print(f"loss curve: {out / 'loss.png'}\n--- sample ---\n{first['sample']}\n--------------")
+        metrics = {
+            "final_param_sha256": first["param_sha256"], "tokens_per_s": first["tokens_per_s"],
+            "mfu": mfu, "device_name": first["device_name"], "params": first["params"],
+            "flops_per_token": first["flops_per_token"], "final_train_loss": first["losses"][-1][1]
+            if first["losses"] else None, "final_val_loss": end_val, "val_losses": first["val_losses"],
+            "resumed_from": first["resumed_from"], "resume_check": resume_check,
+            "config": dataclasses.asdict(config), "out": str(out), "sample": first["sample"],
+            "headline": f"held-out {start_val:.3f} -> {end_val:.3f} nats/char; "
+                        f"{first['tokens_per_s'] or 0:,.0f} tokens/s"}
+        device = first["device_name"]
+        return finish(Report(LESSON, device, "nccl" if device != "cpu" else "gloo", len(results), checks,
+                             metrics), args.json, started)
+    finally:
+        if args.out is None:
+            # keep the loss curve where the learner can see it; drop the checkpoints
+            shutil.rmtree(ckpt, ignore_errors=True)
+        shutil.rmtree(scratch / "resume-check", ignore_errors=True)
