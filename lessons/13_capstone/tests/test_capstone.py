@@ -1,4 +1,4 @@
-"""Lesson 11's suite: the corpus and tokenizer, the data order for any number of ranks, AdamW's
+"""Lesson 13's suite: the corpus and tokenizer, the data order for any number of ranks, AdamW's
 decay groups, the accumulation step against one big batch, FLOPs, MFU and the device-peak
 table, our DDP == torch DDP, SIGKILL + resume bitwise, resuming on another world size, the
 same run under torchrun (one node, and two nodes on loopback), the demo and the README's
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from lessons._launch import WorkerError
 from lessons._testing import assert_argument_error, run_under_torchrun
 
-M = importlib.import_module("lessons.11_capstone.main")  # the technique
-C = importlib.import_module("lessons.11_capstone.checks")  # the harness and CLI
+M = importlib.import_module("lessons.13_capstone.main")  # the technique
+C = importlib.import_module("lessons.13_capstone.checks")  # the harness and CLI
 MAIN = Path(M.__file__)
 ROOT = MAIN.resolve().parents[2]
 README = MAIN.with_name("README.md").read_text()

@@ -1,4 +1,4 @@
-"""Lesson 11's harness: the run as a learner launches it, and the proof that it is right.
+"""Lesson 13's harness: the run as a learner launches it, and the proof that it is right.
 
 * `train_worker`: one rank's run of main.py's technique with the harness's extras: fault
   injection, a progress bar on rank 0, a real SIGKILL at --kill-at-step, the weights' digest,
@@ -33,7 +33,7 @@ from . import main as capstone
 
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # lesson 06's technique
 
-LESSON = "11_capstone"
+LESSON = "13_capstone"
 
 
 def count_params(model: torch.nn.Module) -> int:

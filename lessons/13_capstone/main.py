@@ -1,4 +1,4 @@
-"""Lesson 11, the capstone: a character-level GPT trained end to end with data parallelism.
+"""Lesson 13, the capstone: a character-level GPT trained end to end with data parallelism.
 
 Each earlier lesson isolated one technique; a run needs them together, and their interactions
 are where long runs break. In the order a step meets them:
