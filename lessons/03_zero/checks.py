@@ -76,6 +76,18 @@ class RingDataParallelAdam:
 TRAINERS = {0: RingDataParallelAdam, 1: zero.ZeroStage1, 2: zero.ZeroStage2, 3: zero.ZeroStage3}
 
 
+def expected_live_bytes(stage: int, num_params: int, shard_params: int, itemsize: int) -> dict[str, int]:
+    """main.py's memory formula for one rank of the model at hand, exactly: full precision, plain
+    Adam (no master copy, 2 states), Psi = num_params elements, Psi_r = shard_params the
+    elements this rank owns (uneven shards make Psi_r differ from Psi / N).
+    stage 0 (plain DP) or 1-3 -> bytes of {"params": Psi or Psi_r (stage 3), "grads": Psi or
+    Psi_r (stages 2, 3), "optimizer": 2 Psi or 2 Psi_r (stages 1-3)} x itemsize."""
+    params = shard_params if stage == 3 else num_params
+    grads = shard_params if stage >= 2 else num_params
+    states = 2 * (shard_params if stage >= 1 else num_params)
+    return {"params": params * itemsize, "grads": grads * itemsize, "optimizer": states * itemsize}
+
+
 def storage_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes of the storages behind `tensors`, each storage once (views share one)."""
     seen: dict[int, int] = {}
@@ -267,7 +279,7 @@ def verify_worker(ctx: RankContext, seed: int, steps: int, batch: int, fault: st
     psi, itemsize = sum(numels), 8
     for stage in (0, 1, 2, 3):
         counted = runs[stage]["memory"]
-        expected = zero.expected_live_bytes(stage, psi, runs[stage]["shard_params"], itemsize)
+        expected = expected_live_bytes(stage, psi, runs[stage]["shard_params"], itemsize)
         name = "plain DP" if stage == 0 else f"ZeRO-{stage}"
         checks.append(Check(f"{name} live bytes (params, grads, Adam) == formula",
                             counted == expected,

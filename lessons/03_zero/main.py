@@ -1,25 +1,20 @@
 """Lesson 03: ZeRO-1/2/3, sharding what data parallelism replicates.
 
-The story, top to bottom:
+Data parallelism keeps N identical copies of the parameters, gradients and Adam states. ZeRO
+keeps one copy, cut into N shards (rank r owns shard r), and moves only what is needed, when
+it is needed. In teaching order:
 
-1. The memory arithmetic of the ZeRO paper: bytes of model states per device for plain data
-   parallelism and ZeRO stages 1, 2 and 3 (`zero_bytes_per_device`).
-2. Shards: every parameter, flattened, is cut into p near-equal pieces (lesson 01's chunks,
-   `shard_bounds`); rank r owns piece r, which may be empty.
-3. ZeRO-1 (`ZeroStage1`): the Adam states are sharded. The step: reduce-scatter each gradient,
-   Adam on my shard only, all-gather the parameters.
-4. What ZeRO-2 adds (`ZeroStage2`): each gradient is reduce-scattered the moment backward
-   produces it, and the full gradient is freed at once.
-5. What ZeRO-3 adds (`ZeroStage3`): the parameters are sharded too; a layer's weights are
-   gathered just before it runs, freed after, and gathered again for its backward.
-6. Global-norm gradient clipping when every rank holds a shard (`sharded_clip_grad_norm_`).
-7. The communication formulas: 2 Psi per step for stages 1 and 2, 3 Psi for stage 3.
+1. memory: bytes of model states per device for DP and ZeRO-1/2/3 (`zero_bytes_per_device`);
+2. shards: lesson 01's near-equal chunks of every flattened parameter (`shard_bounds`);
+3. ZeRO-1 (`ZeroStage1`): Adam states sharded; the step reduce-scatters the gradients, runs
+   Adam on my shard and all-gathers the parameters;
+4. what ZeRO-2 adds (`ZeroStage2`): each gradient is reduce-scattered as backward produces it;
+5. what ZeRO-3 adds (`ZeroStage3`): parameters sharded, gathered just before use, freed after;
+6. global-norm gradient clipping on shards (`sharded_clip_grad_norm_`);
+7. communication: 2 Psi per step for DP and ZeRO-1/2, 3 Psi for ZeRO-3.
 
-Every collective is lesson 01's ring, whose `Traffic` counts the bytes each rank sends.
-The proof (every stage against plain data parallelism, one process, torch's
-ZeroRedundancyOptimizer and FSDP2; live bytes and sent bytes against the formulas) is in
-checks.py. Run: `python lessons/03_zero/main.py --world-size 4`, or the calculator
-`python lessons/03_zero/main.py --memory --params 7.5e9 --dp 64`.
+Every collective is lesson 01's ring, whose `Traffic` counts the bytes. The proof is checks.py:
+`python lessons/03_zero/main.py --world-size 4`, or `--memory --params 7.5e9 --dp 64`.
 """
 
 from __future__ import annotations
@@ -72,18 +67,6 @@ def memory_table_gb(num_params: float, dp: int, k: float = 12) -> dict[str, floa
     return {f"{stage}_gb": zero_bytes_per_device(stage, num_params, dp, k) / 1e9 for stage in STAGES}
 
 
-def expected_live_bytes(stage: int, num_params: int, shard_params: int, itemsize: int) -> dict[str, int]:
-    """The same formula for one rank of the model at hand, exactly: full precision and plain
-    Adam (no master copy, 2 states), Psi = num_params elements, Psi_r = shard_params the
-    elements this rank owns (uneven shards make Psi_r differ from Psi / N).
-    stage 0 (plain DP) or 1-3 -> bytes of {"params": Psi or Psi_r (stage 3), "grads": Psi or
-    Psi_r (stages 2, 3), "optimizer": 2 Psi or 2 Psi_r (stages 1-3)} x itemsize."""
-    params = shard_params if stage == 3 else num_params
-    grads = shard_params if stage >= 2 else num_params
-    states = 2 * (shard_params if stage >= 1 else num_params)
-    return {"params": params * itemsize, "grads": grads * itemsize, "optimizer": states * itemsize}
-
-
 # ============================================================================ 2. shards
 
 
@@ -108,18 +91,15 @@ def reduce_scatter_mean(grad: torch.Tensor, traffic: collectives.Traffic) -> tor
 class ZeroStage1:
     """ZeRO-1 (P_os): data-parallel Adam whose states are sharded.
 
-    Every rank holds the whole model (rank 0's weights are broadcast at construction) and
-    computes full gradients on its own rows of the batch; rank r keeps Adam's exp_avg and
-    exp_avg_sq only for its shard of each flattened parameter: 2 Psi_r elements instead of
-    2 Psi. Adam is element-wise, so a shard's update is exactly that slice of the full update.
-
-    Attributes (lesson 06 relies on them):
-      named      [(name, parameter)] in model.named_parameters() order;
-      bounds     [(start, end)] this rank's slice of each flattened parameter (`shard_bounds`);
-      shards     [nn.Parameter of end - start elements]: what Adam steps; here views into the
-                 full parameters, so stepping a shard updates the model in place;
-      optimizer  torch.optim.Adam over `shards` (its .state and .param_groups are per shard);
-      traffic    lesson 01's counter of the bytes this rank sends.
+    Every rank holds the whole model (rank 0's weights, broadcast at construction) and computes
+    full gradients on its rows of the batch, but keeps Adam's exp_avg and exp_avg_sq only for
+    its shard of each flattened parameter: 2 Psi_r elements instead of 2 Psi. Adam is
+    element-wise, so a shard's update is exactly that slice of the full update.
+    Attributes (lesson 06 relies on them): `named` [(name, parameter)] in named_parameters()
+    order; `bounds` [(start, end)] this rank's slice of each (`shard_bounds`); `shards`
+    [nn.Parameter of end - start elements], what Adam steps (here views into the parameters,
+    so stepping a shard updates the model in place); `optimizer`, torch.optim.Adam over the
+    shards; `traffic`, lesson 01's count of the bytes this rank sends.
     Use: zero.zero_grad(); loss.backward(); zero.step().
     """
 
@@ -240,18 +220,12 @@ class _GatherParameter(torch.autograd.Function):
 
 
 class ZeroStage3(ZeroStage2):
-    """ZeRO-3 (P_os+g+p) = ZeRO-2 + sharded parameters. The modules keep no parameters, only
-    hooks; this rank keeps its shards (Psi_r elements, standalone copies). A layer's full
-    weights exist only while it runs:
-      forward pre-hook  all-gather the layer's parameters (`gather_parameters_hook`);
-      forward hook      drop them (`free_parameters_hook`); while the layer ran, autograd
-                        saved a recipe instead of each gathered weight (saved-tensor hooks);
-      output grad hook  backward has reached the layer: all-gather its parameters again
-                        (`regather_hook`); autograd's recipes read them; the gather's backward
-                        reduce-scatters each gradient and drops the copy.
-    Bytes sent per step: 3 Psi x (N-1)/N (two all-gathers, one reduce-scatter), 1.5x ZeRO-1.
-    There is nothing to all-gather after the step: the next forward gathers what it needs.
-    """
+    """ZeRO-3 (P_os+g+p) = ZeRO-2 + sharded parameters: the modules keep only hooks, this rank
+    keeps its shards (Psi_r elements), and a layer's full weights exist only while it runs:
+    gathered before its forward, dropped after (autograd keeps a recipe, not the weight),
+    gathered again when backward reaches the layer, dropped once the gather's backward has
+    reduce-scattered the gradient. Sends 3 Psi (N-1)/N per step (two all-gathers and one
+    reduce-scatter), 1.5x ZeRO-1; after the step there is nothing to all-gather."""
 
     def make_shard(self, param: nn.Parameter, start: int, end: int) -> nn.Parameter:
         """A standalone copy of elements [start, end): the full parameter is deleted."""
@@ -259,21 +233,19 @@ class ZeroStage3(ZeroStage2):
 
     def install_hooks(self) -> None:
         self.shapes = [param.shape for _, param in self.named]
-        for _, param in self.named:  # the shards are copies: free the full parameters
-            param.data = param.data.new_empty(0)
+        index_of = {id(param): index for index, (_, param) in enumerate(self.named)}
         self.regathered: dict[int, torch.Tensor] = {}  # index -> full parameter, in backward
         self.saved_tensor_hooks: list = []  # a stack: modules with parameters may nest
-        modules = dict(self.model.named_modules())
-        layers: dict[nn.Module, list[tuple[str, int]]] = {}
-        for index, (name, _) in enumerate(self.named):
-            owner, _, attr = name.rpartition(".")
-            layers.setdefault(modules[owner], []).append((attr, index))
-        for module, entries in layers.items():
-            for attr, _ in entries:
+        for module in self.model.modules():
+            entries = [(attr, index_of[id(p)]) for attr, p in module.named_parameters(recurse=False)]
+            for attr, _ in entries:  # the module keeps no parameter, only hooks
                 del module._parameters[attr]
                 setattr(module, attr, None)
-            module.register_forward_pre_hook(self.gather_parameters_hook(entries))
-            module.register_forward_hook(self.free_parameters_hook(entries))
+            if entries:
+                module.register_forward_pre_hook(self.gather_parameters_hook(entries))
+                module.register_forward_hook(self.free_parameters_hook(entries))
+        for _, param in self.named:  # the shards are copies: free the full parameters
+            param.data = param.data.new_empty(0)
 
     def gather(self, index: int) -> torch.Tensor:
         """Parameter `index`, full and in its shape, differentiable through `_GatherParameter`."""
@@ -323,11 +295,8 @@ class ZeroStage3(ZeroStage2):
         """Tensor hook on a layer's output, run just before the layer's backward: all-gather
         each of its parameters into `regathered[index]` (full shape). Sends (N-1)/N n each."""
         def hook(grad_output: torch.Tensor) -> None:
-            with torch.no_grad():
-                for _, index in entries:
-                    full = collectives.ring_all_gather(self.shards[index].detach(),
-                                                       self.shapes[index].numel(), self.traffic)
-                    self.regathered[index] = full.view(self.shapes[index])
+            for _, index in entries:
+                self.regathered[index] = self.gather(index).detach()
         return hook
 
     def all_gather_parameters(self) -> None:
@@ -352,15 +321,14 @@ def sharded_clip_grad_norm_(shard_grads: list[torch.Tensor], max_norm: float,
                             group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip by the global 2-norm when each rank of `group` holds only shards of the gradient.
 
-    shard_grads: this rank's gradient shards (any shapes, empty ones allowed, at least one
-    tensor); across the group they partition the full gradient g (every element on exactly one
-    rank, as ZeRO's shards do). Global-norm clipping is not element-wise: ||g||^2 is the sum of
-    every rank's ||g_r||^2. Each rank sums its squares (fp32 or wider), one all-reduce of that
-    one number gives ||g|| everywhere, and every rank scales its shards by the same factor
-        c = min(1, max_norm / (||g|| + 1e-6))   (torch.nn.utils.clip_grad_norm_'s formula).
-    Returns ||g|| before clipping, a 0-d tensor equal on every rank. Cost: one all-reduce of
-    one element (latency, not bandwidth). Clipping each shard by its own norm instead gives
-    each rank its own c: the update is no longer the data-parallel one.
+    shard_grads: this rank's gradient shards (any shapes, empty ones allowed, at least one);
+    across the group they partition the full gradient g, as ZeRO's shards do. The norm is not
+    element-wise: ||g||^2 = sum over ranks of ||g_r||^2. Each rank sums its squares (in fp32 or
+    wider), one all-reduce of that one number gives every rank ||g||, and every rank scales
+    its shards in place by the same c = min(1, max_norm / (||g|| + 1e-6)) (the formula of
+    torch.nn.utils.clip_grad_norm_). Returns ||g|| before clipping (0-d, equal on every rank).
+    Cost: one all-reduce of one element. Clipping each shard by its own norm would give each
+    rank its own c: no longer the data-parallel update.
     """
     if not shard_grads:
         raise ValueError("sharded_clip_grad_norm_ needs this rank's shard gradients (empty ones too)")

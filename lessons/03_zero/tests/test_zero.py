@@ -61,7 +61,7 @@ class TestDocNumbers(unittest.TestCase):
         self.assertEqual(z3 / dp, 1.5)
         self.assertIn(f"{round(2 * 3 / 4 * psi * 8):,} would be the ideal", README)
         for stage in (0, 1, 2, 3):
-            for value in M.expected_live_bytes(stage, psi, shard, 8).values():
+            for value in C.expected_live_bytes(stage, psi, shard, 8).values():
                 self.assertIn(f"{value:,} B", README)
 
 
@@ -85,11 +85,11 @@ class TestMemoryArithmetic(unittest.TestCase):
                 self.assertEqual([a for a, _ in bounds[1:]], [b for _, b in bounds[:-1]])
 
     def test_expected_live_bytes(self):
-        self.assertEqual(M.expected_live_bytes(0, 100, 25, 8), {"params": 800, "grads": 800,
+        self.assertEqual(C.expected_live_bytes(0, 100, 25, 8), {"params": 800, "grads": 800,
                                                                 "optimizer": 1600})
-        self.assertEqual(M.expected_live_bytes(2, 100, 25, 8), {"params": 800, "grads": 200,
+        self.assertEqual(C.expected_live_bytes(2, 100, 25, 8), {"params": 800, "grads": 200,
                                                                 "optimizer": 400})
-        self.assertEqual(M.expected_live_bytes(3, 100, 25, 8), {"params": 200, "grads": 200,
+        self.assertEqual(C.expected_live_bytes(3, 100, 25, 8), {"params": 200, "grads": 200,
                                                                 "optimizer": 400})
 
     def test_bad_stage(self):

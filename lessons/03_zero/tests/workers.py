@@ -84,5 +84,5 @@ def stages_and_planted_bugs(ctx) -> dict:
             "kept_weights": zero3_lifetimes(ctx, KeepGatheredWeights),
             "drifted_params": drifted["params"],
             "kept_grads": kept["memory"]["grads"],
-            "expected_grads": M.expected_live_bytes(2, psi, kept["shard_params"], 8)["grads"],
+            "expected_grads": C.expected_live_bytes(2, psi, kept["shard_params"], 8)["grads"],
             "local_clip_gap": C.gap(local, reference)}
