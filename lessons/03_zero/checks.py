@@ -61,7 +61,6 @@ class RingDataParallelAdam:
         self.model, self.traffic = model, collectives.Traffic()
         data_parallel.broadcast_parameters_and_buffers(model)
         self.named = list(model.named_parameters())
-        self.bounds = [(0, p.numel()) for _, p in self.named]
         self.optimizer = torch.optim.Adam([p for _, p in self.named], lr=lr, foreach=False)
 
     def step(self) -> None:
