@@ -6,16 +6,25 @@ import dataclasses
 import importlib
 from pathlib import Path
 
-M = importlib.import_module("lessons.06_checkpointing.main")
+C = importlib.import_module("lessons.06_checkpointing.checks")
+T = importlib.import_module("lessons.06_checkpointing.trainer")
 
 
 def save_at(ctx, config: dict, ckpt_dir: str, stop_at: int) -> str:
     """Train a noise-free run to `stop_at`, saving there."""
-    plain = dataclasses.replace(M.TrainConfig(**config), noise=False)
-    return M.run_training(ctx, plain, Path(ckpt_dir), stop_at, 1, stop_at=stop_at)["sha256"]
+    plain = dataclasses.replace(T.TrainConfig(**config), noise=False)
+    return T.run_training(ctx, plain, Path(ckpt_dir), stop_at, 1, stop_at=stop_at)["sha256"]
 
 
 def resume_resharded(ctx, config: dict, ckpt_dir: str) -> dict:
-    plain = dataclasses.replace(M.TrainConfig(**config), noise=False)
-    run = M.run_training(ctx, plain, Path(ckpt_dir), 0, 1, resume=True, reshard=True)
+    plain = dataclasses.replace(T.TrainConfig(**config), noise=False)
+    run = T.run_training(ctx, plain, Path(ckpt_dir), 0, 1, resume=True, reshard=True)
     return {"params": run["params"], "resumed_from": run["resumed_from"]}
+
+
+def failed_saves(ctx, config: dict, workdir: str, save_every: int) -> list[dict]:
+    """A failing write on every rank in turn, synchronous and asynchronous."""
+    config = T.TrainConfig(**config)
+    return [C.failed_save_run(ctx, config, Path(workdir) / f"{fail_rank}-{async_save}", save_every,
+                              fail_rank, async_save)
+            for fail_rank in range(ctx.world_size) for async_save in (False, True)]
