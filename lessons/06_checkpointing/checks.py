@@ -44,6 +44,12 @@ RESHARD_TOLERANCE = 1e-10
 DALY_EXAMPLES = ((5.0, 24 * 60.0, 117.0, 0.5), (5.0, 6 * 60.0, 57.0, 0.5), (5.0, 15.0, 9.1, 0.05))
 
 
+def kept_steps(total_steps: int, save_every: int, keep: int) -> list[int]:
+    """Which checkpoints survive `total_steps` steps saving every `save_every`, keeping `keep`
+    (rotation by step number keeps the newest `keep` saves)."""
+    return list(range(save_every, total_steps + 1, save_every))[-keep:]
+
+
 # ============================================================================ crashes and failures
 
 
@@ -461,20 +467,24 @@ def reshard_and_dcp(ctx: RankContext, config: TrainConfig, work: Path, in_proces
 
 def shared_workdir(ctx: RankContext, workdir: str | None) -> Path:
     """The one directory every rank works in: the parent's (spawned ranks) or, under torchrun,
-    a temporary directory rank 0 creates and broadcasts. Every rank must see it (one node, or
-    a shared filesystem), else every rank stops with the same one-line error."""
+    a temporary directory rank 0 creates and broadcasts (never one per rank: rank 0's manifest
+    and rank 1's shard would land in different places)."""
     chosen = [workdir]
     if workdir is None:
         if ctx.rank == 0:
             chosen[0] = tempfile.mkdtemp(prefix="lesson06-")
         dist.broadcast_object_list(chosen, src=0)
+    return Path(chosen[0])
+
+
+def check_visible(ctx: RankContext, work: Path) -> None:
+    """Every rank must see the directory rank 0 writes into, else all stop with one line."""
     visible: list = [None] * ctx.world_size
-    dist.all_gather_object(visible, Path(chosen[0]).is_dir())
+    dist.all_gather_object(visible, work.is_dir())
     if not all(visible):
         raise checkpointing.CheckpointError(
-            f"{chosen[0]}: not visible on rank(s) {[r for r, v in enumerate(visible) if not v]}: "
+            f"{work}: not visible on rank(s) {[r for r, v in enumerate(visible) if not v]}: "
             "every rank must share the checkpoint directory (one node, or a shared filesystem)")
-    return Path(chosen[0])
 
 
 def demo_worker(ctx: RankContext, config: dict, workdir: str | None, save_every: int, keep: int,
@@ -487,6 +497,7 @@ def demo_worker(ctx: RankContext, config: dict, workdir: str | None, save_every:
     config = TrainConfig(**config)
     work = shared_workdir(ctx, workdir)
     try:
+        check_visible(ctx, work)
         result = _demo_runs(ctx, config, work, save_every, keep, in_process=workdir is None)
         dist.barrier()
     finally:
@@ -534,7 +545,7 @@ def disk_checks(work: Path, world: int, config: TrainConfig, save_every: int, ke
     message = _refusal(checkpointing.verify_checkpoint, latest_async, world)
     saves = list(range(save_every, config.steps + 1, save_every))
     kept = checkpointing.committed_steps(work / "a")
-    expected = checkpointing.kept_steps(config.steps, save_every, keep)
+    expected = kept_steps(config.steps, save_every, keep)
     removed = sorted(set(saves) - set(kept))
     checks = [
         Check("asynchronous saves: latest verifies", message == "accepted",
@@ -606,7 +617,7 @@ def parse_args(argv: list[str] | None = None):
         parser.error("--resume and --reshard need --ckpt-dir")
     saves = args.steps // args.save_every
     if args.ckpt_dir is None and (saves <= args.keep or
-                                  checkpointing.kept_steps(args.steps, args.save_every,
+                                  kept_steps(args.steps, args.save_every,
                                                            args.keep)[0] >= args.steps):
         parser.error(f"the demo needs more saves than --keep (rotation) and a kept save before "
                      f"the last step (resume): {saves} save(s) with --steps {args.steps} "

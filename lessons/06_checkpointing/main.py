@@ -154,11 +154,6 @@ def rotate(ckpt_dir: Path, keep: int) -> list[int]:
     return steps[:-keep]
 
 
-def kept_steps(total_steps: int, save_every: int, keep: int) -> list[int]:
-    """Which checkpoints survive `total_steps` steps saving every `save_every`, keeping `keep`."""
-    return list(range(save_every, total_steps + 1, save_every))[-keep:]
-
-
 def discard_newer_than(ckpt_dir: Path, step: int) -> list[str]:
     """On resume from `step`: step directories above it (committed but never named by `latest`,
     or half-written) belong to a future that no longer happens; remove them so that rotation by

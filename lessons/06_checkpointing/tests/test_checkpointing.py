@@ -1,6 +1,6 @@
 """Lesson 06's suite: the atomic write and every crash point of the protocol, every rejection,
 a failing write on any rank, rotation, the export, exact resume (LR, GradScaler, RNG),
-resharding 4 -> 2 and 4 -> 1, the demo end to end (spawned and under torchrun), a real SIGKILL
+resharding 3 -> 2 and 3 -> 1, the demo end to end (spawned and under torchrun), a real SIGKILL
 + resume, and the numbers the README quotes."""
 
 from __future__ import annotations
@@ -181,37 +181,38 @@ class TestExactResume(unittest.TestCase):
             M.restore_exact_resume_state(state, optimizer, scheduler, None, cursor)
 
 
-class TestFailedSave(unittest.TestCase):
-    def test_a_failed_write_on_any_rank_commits_nothing_and_every_rank_raises(self):
-        config = dataclasses.asdict(T.TrainConfig(steps=6))
+class TestOnSpawnedRanks(unittest.TestCase):
+    """One run saved by 3 ranks, resumed on 2 (resharding 3 -> 2) and in this process (3 -> 1);
+    then, on the same 2 ranks, a failing write on each rank, synchronous and asynchronous. The
+    demo test below reshards 2 -> 3, the torchrun one 2 -> 1."""
+
+    @classmethod
+    def setUpClass(cls):
+        config = T.TrainConfig(steps=6)
+        plain = dataclasses.replace(config, noise=False)
+        cls.reference = T.reference_params(plain)
         with tempfile.TemporaryDirectory() as tmp:
-            per_rank = launch(W.failed_saves, 2, (config, tmp, 2), device="cpu", timeout_s=120)
-        for rank, runs in enumerate(per_rank):
-            for run, (fail_rank, async_save) in zip(runs, [(0, False), (0, True), (1, False),
-                                                           (1, True)]):
+            launch(W.save_at, 3, (dataclasses.asdict(config), tmp, 3), device="cpu", timeout_s=120)
+            cls.unsharded = T.resume_unsharded(plain, Path(tmp))
+            cls.per_rank = launch(W.resume_resharded_then_fail_saves, 2,
+                                  (dataclasses.asdict(config), tmp, 2), device="cpu", timeout_s=180)
+
+    def test_3_to_2_and_3_to_1_equal_the_unsharded_reference(self):
+        for result in [r["resumed"] for r in self.per_rank] + [self.unsharded]:
+            self.assertEqual(result["resumed_from"], 3)
+            self.assertLess(max_abs_diff(result["params"], self.reference), C.RESHARD_TOLERANCE)
+        self.assertEqual(self.unsharded["saved_world"], 3)
+
+    def test_a_failed_write_on_any_rank_commits_nothing_and_every_rank_raises(self):
+        for rank, result in enumerate(self.per_rank):
+            for run, (fail_rank, async_save) in zip(result["failed"], [(0, False), (0, True),
+                                                                       (1, False), (1, True)]):
                 with self.subTest(rank=rank, fail_rank=fail_rank, async_save=async_save):
                     self.assertIsNotNone(run["error"], "the failed save was not reported")
                     self.assertIn(f"rank {fail_rank}: OSError", run["error"])
                     self.assertIn("latest and older checkpoints are untouched", run["error"])
                     self.assertEqual(run["latest"], M.step_dir_name(2))
                     self.assertEqual(run["committed"], [2])
-
-
-class TestResharding(unittest.TestCase):
-    """4 -> 2 and 4 -> 1 here; the demo test below reshards 2 -> 3, the torchrun one 2 -> 1."""
-
-    def test_4_to_2_and_4_to_1(self):
-        config = T.TrainConfig(steps=6)
-        plain = dataclasses.replace(config, noise=False)
-        reference = T.reference_params(plain)
-        with tempfile.TemporaryDirectory() as tmp:
-            launch(W.save_at, 4, (dataclasses.asdict(config), tmp, 3), device="cpu", timeout_s=120)
-            results = launch(W.resume_resharded, 2, (dataclasses.asdict(config), tmp), device="cpu",
-                             timeout_s=120)
-            results.append(T.resume_unsharded(plain, Path(tmp)))
-        for result in results:
-            self.assertEqual(result["resumed_from"], 3)
-            self.assertLess(max_abs_diff(result["params"], reference), C.RESHARD_TOLERANCE)
 
 
 class TestCommandLine(unittest.TestCase):
@@ -325,7 +326,7 @@ class TestDocNumbers(unittest.TestCase):
 
     def test_rotation_and_resume_steps(self):
         config = T.TrainConfig()
-        kept = M.kept_steps(config.steps, 3, 2)
+        kept = C.kept_steps(config.steps, 3, 2)
         self.assertEqual(kept, [6, 9])
         self.assertIn("saves at steps 3, 6 and 9", self.readme)
         self.assertIn("rotation removes step 3 and keeps steps 6 and 9", self.readme)

@@ -22,9 +22,12 @@ def resume_resharded(ctx, config: dict, ckpt_dir: str) -> dict:
     return {"params": run["params"], "resumed_from": run["resumed_from"]}
 
 
-def failed_saves(ctx, config: dict, workdir: str, save_every: int) -> list[dict]:
-    """A failing write on every rank in turn, synchronous and asynchronous."""
+def resume_resharded_then_fail_saves(ctx, config: dict, ckpt_dir: str, save_every: int) -> dict:
+    """Resume the checkpoint in `ckpt_dir` on this world size; then, in fresh directories, a
+    failing write on every rank in turn, synchronous and asynchronous."""
+    resumed = resume_resharded(ctx, config, ckpt_dir)
     config = T.TrainConfig(**config)
-    return [C.failed_save_run(ctx, config, Path(workdir) / f"{fail_rank}-{async_save}", save_every,
-                              fail_rank, async_save)
-            for fail_rank in range(ctx.world_size) for async_save in (False, True)]
+    failed = [C.failed_save_run(ctx, config, Path(ckpt_dir) / f"fail-{fail_rank}-{async_save}",
+                                save_every, fail_rank, async_save)
+              for fail_rank in range(ctx.world_size) for async_save in (False, True)]
+    return {"resumed": resumed, "failed": failed}
