@@ -208,8 +208,14 @@ def sharded_project_u(d_u_local: torch.Tensor, u_high_local: torch.Tensor, comm:
 
 def sharded_project_u_batched(pairs: list[tuple[torch.Tensor, torch.Tensor]],
                               comm: Collectives) -> list[torch.Tensor]:
-    """The same for many modules with ONE all-reduce: concatenate every module's partial
-    coefficients, reduce once, split. Same bytes; one collective's latency instead of many."""
+    """`sharded_project_u` for many modules with ONE all-reduce.
+
+    pairs: one (d_u_local (n_r, k_l), u_high_local (n_r, k_h)) per module, shapes differing
+    between modules. Compute every module's partial coefficients U_high_local^T dU_local,
+    flatten and concatenate them (sum of k_h k_l numbers), all-reduce once, split back in the
+    same order and project each module's rows. Returns the projected rows, one per module,
+    equal to calling `sharded_project_u` per module. Same bytes; one collective's latency
+    instead of one per module (224 per step for Llama-8B)."""
     partials = [u_high.T @ d_u for d_u, u_high in pairs]
     flat = comm.all_reduce(torch.cat([p.reshape(-1) for p in partials]))
     out, start = [], 0
