@@ -195,6 +195,19 @@ def compare_with_grad_scaler(steps: int = 12, overflow_steps: tuple[int, ...] = 
 # ============================================================================ recomputation
 
 
+def forward_backward(tracker: memory.MemoryTracker, model, tokens, targets) -> int:
+    """Forward (new storages filed as activations) and backward under `tracker`. Returns the
+    activation bytes alive after forward; the tracker's peak is then the backward's."""
+    with tracker:
+        with tracker.phase("forward"):
+            loss = model.loss(tokens, targets)
+        kept = tracker.breakdown()["activation"]
+        tracker.reset_peak()
+        with tracker.phase("backward"):
+            loss.backward()
+    return kept
+
+
 def compare_recomputation(seq: int, batch: int, hidden: int, heads: int, layers: int,
                           seed: int = 0) -> dict:
     """Activation bytes alive after forward, and the gradients, with and without recompute."""
@@ -206,13 +219,7 @@ def compare_recomputation(seq: int, batch: int, hidden: int, heads: int, layers:
         tracker = memory.MemoryTracker()
         tracker.mark(model.parameters(), "parameter")
         torch.manual_seed(seed + 1)  # the same dropout masks in both runs
-        with tracker:
-            with tracker.phase("forward"):
-                loss = model.loss(tokens, targets)
-            after_forward = tracker.breakdown()["activation"]
-            tracker.reset_peak()
-            with tracker.phase("backward"):
-                loss.backward()
+        after_forward = forward_backward(tracker, model, tokens, targets)
         results["recompute" if recompute else "plain"] = {
             "activation_bytes": after_forward, "backward_peak_bytes": tracker.peak_bytes,
             "grads": [p.grad.clone() for p in model.parameters()]}
@@ -241,13 +248,7 @@ def gpt_step_on_meta(layers: int, hidden: int, heads: int, vocab: int, seq: int,
     tracker = memory.MemoryTracker()
     tracker.mark(model.parameters(), "parameter")
     tracker.mark([p.grad for p in model.parameters()], "gradient")
-    with tracker:
-        with tracker.phase("forward"):
-            loss = model.loss(tokens, tokens)
-        kept = tracker.breakdown()["activation"]
-        tracker.reset_peak()
-        with tracker.phase("backward"):
-            loss.backward()
+    kept = forward_backward(tracker, model, tokens, tokens)
     states = tracker.breakdown()
     return {"kept_after_forward": kept,
             "backward_beyond_states": tracker.peak_bytes - states["parameter"] - states["gradient"]}
