@@ -105,6 +105,8 @@ class MemoryTracker(TorchDispatchMode):
             self._grow(item.nbytes)
 
     def _grow(self, nbytes: int) -> None:
+        """live_bytes += nbytes; a new maximum becomes peak_bytes (and the live set at that
+        moment is copied into peak_live when the tracker next shrinks: `_leave_peak`)."""
         self.live_bytes += nbytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes, self._at_peak = self.live_bytes, True
@@ -116,6 +118,8 @@ class MemoryTracker(TorchDispatchMode):
             self._at_peak = False
 
     def _refile(self, item: Allocation, category: str) -> None:
+        """Change what a live storage is for. Between two device categories the byte counts do
+        not move; into "host" its bytes leave live_bytes, out of "host" they join it."""
         if item.category == "host" and category != "host":
             self._grow(item.nbytes)
         elif item.category != "host" and category == "host":
@@ -124,6 +128,8 @@ class MemoryTracker(TorchDispatchMode):
         item.category = category
 
     def _free(self, key: int) -> None:
+        """The weak reference fired: the storage is gone. Forget it, and take its bytes out of
+        live_bytes unless it was host memory (the peak stays)."""
         self._leave_peak()
         item = self.live.pop(key, None)
         self._refs.pop(key, None)
@@ -381,9 +387,13 @@ class DynamicLossScaler:
         self.found_inf = False
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss x S (in the loss's dtype): backward then produces gradients S times larger."""
         return loss * self.scale_value.to(loss.dtype)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every .grad of the optimizer's parameters x (1/S), in place, with 1/S computed in
+        float64 and rounded to float32 (GradScaler's arithmetic, so the weights match bitwise);
+        found_inf = True if any gradient holds an inf or a NaN (checked before scaling)."""
         inv_scale = self.scale_value.double().reciprocal().float()
         self.found_inf = False
         for group in optimizer.param_groups:
@@ -420,10 +430,11 @@ class DynamicLossScaler:
 
 
 class TinyGPT(nn.Module):
-    """Token + position embeddings, `layers` TransformerLayers, final LayerNorm, tied head."""
+    """Token + position embeddings, `layers` TransformerLayers, final LayerNorm, tied head.
+    `recompute`: True (every layer), False, or the set of layer indices to recompute."""
 
     def __init__(self, vocab: int, hidden: int, heads: int, layers: int, seq: int,
-                 dropout: float = 0.1, recompute: bool = False) -> None:
+                 dropout: float = 0.1, recompute: bool | set[int] = False) -> None:
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
         self.layers = nn.ModuleList(TransformerLayer(hidden, heads, dropout) for _ in range(layers))
@@ -435,9 +446,10 @@ class TinyGPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (b, s) -> logits (b, s, vocab)."""
         x = (self.embed(tokens) + self.pos.weight[: tokens.shape[1]]).transpose(0, 1)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             # recompute: keep only the layer's input; run its forward again during backward
-            x = checkpoint(layer, x, use_reentrant=False) if self.recompute else layer(x)
+            again = self.recompute is True or index in (self.recompute or ())
+            x = checkpoint(layer, x, use_reentrant=False) if again else layer(x)
         return self.norm(x).transpose(0, 1) @ self.embed.weight.T
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ def attach_tracker(manager: offload.ChunkManager, tracker, moments: dict) -> Non
     """File the manager's tensors in lesson 07's tracker (device vs host), run its steps in the
     tracker's phases, and record the device peak of each moment into `moments`."""
     config = manager.config
-    tracker.mark(manager.model.fixed_parameters(), "parameter")
+    tracker.mark(offload.fixed_parameters(manager.model), "parameter")
     tracker.mark(manager.flat[:config.n_persist] + manager.buffers, "parameter")
     tracker.mark(manager.grad[:config.n_persist], "gradient")
     tracker.mark(manager.flat[config.n_persist:] + manager.grad[config.n_persist:], "host")
@@ -66,13 +66,24 @@ def attach_tracker(manager: offload.ChunkManager, tracker, moments: dict) -> Non
 
     def observe(name: str) -> None:
         if name == "backward_peak":
-            tracker.mark((p.grad for p in manager.model.fixed_parameters()), "gradient")
+            tracker.mark((p.grad for p in offload.fixed_parameters(manager.model)), "gradient")
         if name == "step_peak":
             tracker.mark(memory.optimizer_tensors(manager.device_optimizer), "optimizer")
         moments[name] = tracker.peak_bytes
         tracker.reset_peak()
 
     manager.phase, manager.observe = tracker.phase, observe
+
+
+def final_weights(manager: offload.ChunkManager) -> list[torch.Tensor]:
+    """Every parameter's values, in model.parameters() order, read from where they live (its
+    chunk on the device or the host; the fixed parameters from the model)."""
+    weights = []
+    for param in manager.model.parameters():
+        slot = manager.slot_of.get(id(param))
+        value = param if slot is None else manager._view(manager.flat[slot.chunk], slot)
+        weights.append(value.detach().cpu().clone())
+    return weights
 
 
 def train_offloaded(config: dict, offload_config: offload.OffloadConfig, steps: int, seed: int,
@@ -101,7 +112,7 @@ def train_offloaded(config: dict, offload_config: offload.OffloadConfig, steps: 
         losses.append(manager.step(*batches[-1]))
     steady = sorted(seconds[1:]) or [math.nan]  # the first step allocates Adam's states
     peak = max(moments["forward_peak"], moments["backward_peak"], moments["step_peak"])
-    return {"losses": losses, "weights": manager.final_weights(), "moments": moments,
+    return {"losses": losses, "weights": final_weights(manager), "moments": moments,
             "peak_bytes": peak, "fetches": manager.pool.fetches, "seconds": steady[len(steady) // 2]}
 
 
@@ -139,8 +150,8 @@ def profile_model(config: dict, seed: int, repeats: int = 3) -> tuple[offload.Pr
     act_block = memory.measure_layer_activations(seq, batch, hidden, config["heads"], 1,
                                                  dtype=torch.float32, seed=seed)
     model = offload.make_offload_model(config, seed)
-    slots, used = offload.pack_chunks(model.blocks, config["chunk_numel"])
-    fixed = model.fixed_parameters()
+    slots, used = offload.pack_chunks(model.layers, config["chunk_numel"])
+    fixed = offload.fixed_parameters(model)
     profile = offload.Profile(used, offload.chunks_of_block(slots, config["layers"]), config["chunk_numel"],
                               sum(p.numel() for p in fixed), max(p.numel() for p in fixed), act_block,
                               seq * batch * hidden * offload.ITEMSIZE)
@@ -155,7 +166,7 @@ def profile_model(config: dict, seed: int, repeats: int = 3) -> tuple[offload.Pr
     profile.t_plain_step = run["seconds"]
     x = torch.randn(seq, batch, hidden, device=device)
     with torch.no_grad():
-        profile.t_forward_block = best_time(lambda: model.blocks[0](x), repeats, device)
+        profile.t_forward_block = best_time(lambda: model.layers[0](x), repeats, device)
     profile.t_h2d_per_byte, profile.t_d2h_per_byte = copy_seconds_per_byte(config, used, repeats)
     profile.t_adam_device = adam_seconds_per_element(max(used), device, repeats)
     # on a CPU-only machine the "device" is the host: one rate, not two noisy ones
@@ -177,9 +188,9 @@ def named_model_layout(layers: int, hidden: int, heads: int, vocab: int, seq: in
     memory): all chunks persistent, and none (host bytes: 16 per offloaded element); and the
     chunk fetches of one step with everything offloaded."""
     with torch.device("meta"):
-        model = offload.OffloadGPT(vocab, hidden, heads, layers, seq)
-    slots, used = offload.pack_chunks(model.blocks, chunk_numel)
-    fixed = model.fixed_parameters()
+        model = memory.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0)
+    slots, used = offload.pack_chunks(model.layers, chunk_numel)
+    fixed = offload.fixed_parameters(model)
     profile = offload.Profile(used, offload.chunks_of_block(slots, layers), chunk_numel,
                               sum(p.numel() for p in fixed), max(p.numel() for p in fixed), 0, 0)
     every, none = offload.OffloadConfig(len(used), 0), offload.OffloadConfig(0, 0)

@@ -37,48 +37,24 @@ if __package__ in (None, ""):  # run as a script: make the `lessons` package imp
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique
 
 ITEMSIZE = 4  # fp32 training: every state is 4 bytes per element
 
 
-class OffloadGPT(nn.Module):
-    """Token + position embeddings (tied head) and a final LayerNorm stay on the device; the
-    `layers` transformer blocks (lesson 07's TransformerLayer, no dropout) get chunked."""
-
-    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, seq: int) -> None:
-        super().__init__()
-        self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
-        for table in (self.embed, self.pos):
-            nn.init.normal_(table.weight, std=0.02)
-        self.blocks = nn.ModuleList(memory.TransformerLayer(hidden, heads, dropout=0.0)
-                                    for _ in range(layers))
-        self.norm = nn.LayerNorm(hidden)
-        self.recomputed: set[int] = set()
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = (self.embed(tokens) + self.pos.weight[: tokens.shape[1]]).transpose(0, 1)
-        for index, block in enumerate(self.blocks):
-            x = checkpoint(block, x, use_reentrant=False) if index in self.recomputed else block(x)
-        return self.norm(x).transpose(0, 1) @ self.embed.weight.T
-
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    def fixed_parameters(self) -> list[nn.Parameter]:
-        """The parameters outside the blocks: always on the device, never chunked."""
-        return [self.embed.weight, self.pos.weight, self.norm.weight, self.norm.bias]
-
-
-def make_offload_model(config: dict, seed: int) -> OffloadGPT:
-    """The lesson's model from a config dict (vocab, hidden, heads, layers, seq, device)."""
+def make_offload_model(config: dict, seed: int) -> memory.TinyGPT:
+    """Lesson 07's TinyGPT without dropout, from a config dict (vocab, hidden, heads, layers,
+    seq, device). Its `layers` get chunked; model.recompute = {indices} recomputes some."""
     torch.manual_seed(seed)
-    return OffloadGPT(config["vocab"], config["hidden"], config["heads"], config["layers"],
-                      config["seq"]).to(config.get("device", "cpu"))
+    return memory.TinyGPT(config["vocab"], config["hidden"], config["heads"], config["layers"],
+                          config["seq"], dropout=0.0).to(config.get("device", "cpu"))
+
+
+def fixed_parameters(model: memory.TinyGPT) -> list[nn.Parameter]:
+    """The parameters outside the blocks (embeddings, tied head, final LayerNorm): always on
+    the device, never chunked."""
+    return [model.embed.weight, model.pos.weight, model.norm.weight, model.norm.bias]
 
 
 # ============================================================================ 1. chunks
@@ -206,16 +182,16 @@ class ChunkManager:
     element-wise). `phase(name)` and `observe(name)` are no-ops a profiler may replace (the
     checks put lesson 07's tracker there)."""
 
-    def __init__(self, model: OffloadGPT, config: OffloadConfig, chunk_numel: int,
+    def __init__(self, model: memory.TinyGPT, config: OffloadConfig, chunk_numel: int,
                  lr: float = 1e-3, device: str = "cpu", n_buffers: int | None = None) -> None:
         self.model, self.config, self.device = model, config, torch.device(device)
-        self.slots, self.used = pack_chunks(model.blocks, chunk_numel)
-        self.block_chunks = chunks_of_block(self.slots, len(model.blocks))
+        self.slots, self.used = pack_chunks(model.layers, chunk_numel)
+        self.block_chunks = chunks_of_block(self.slots, len(model.layers))
         n_chunks = len(self.used)
         if not 0 <= config.n_persist <= n_chunks:
             raise ValueError(f"n_persist {config.n_persist} is not in [0, {n_chunks}]")
-        if not 0 <= config.n_checkpoint <= len(model.blocks):
-            raise ValueError(f"n_checkpoint {config.n_checkpoint} is not in [0, {len(model.blocks)}]")
+        if not 0 <= config.n_checkpoint <= len(model.layers):
+            raise ValueError(f"n_checkpoint {config.n_checkpoint} is not in [0, {len(model.layers)}]")
         pin = self.device.type == "cuda"  # pinned host memory: asynchronous host-to-device copies
         self.flat, self.grad = [], []
         for chunk, numel in enumerate(self.used):
@@ -234,17 +210,17 @@ class ChunkManager:
         self.slots_in_chunk = [[s for s in self.slots if s.chunk == c] for c in range(n_chunks)]
         if n_buffers is None:  # a block's offloaded chunks plus one to prefetch the next block's
             n_buffers = max(len(offloaded_chunks(self.block_chunks, config.n_persist, b))
-                            for b in range(len(model.blocks))) + 1 if n_chunks > config.n_persist else 0
+                            for b in range(len(model.layers))) + 1 if n_chunks > config.n_persist else 0
         self.buffers = [torch.zeros(chunk_numel, device=self.device) for _ in range(n_buffers)]
         self.pool = BufferPool(n_buffers)
         self.chunk_in_buffer: dict[int, int] = {}
-        self.device_optimizer = memory.Adam8bit(model.fixed_parameters() + self.flat[:config.n_persist],
+        self.device_optimizer = memory.Adam8bit(fixed_parameters(model) + self.flat[:config.n_persist],
                                                 lr=lr, min_8bit_numel=math.inf)
         host_params = self.flat[config.n_persist:]
         self.host_optimizer = (memory.Adam8bit(host_params, lr=lr, min_8bit_numel=math.inf)
                                if host_params else None)
-        model.recomputed = set(range(config.n_checkpoint))
-        for index, block in enumerate(model.blocks):  # fetch before forward and before backward
+        model.recompute = set(range(config.n_checkpoint))
+        for index, block in enumerate(model.layers):  # fetch before forward and before backward
             block.register_forward_pre_hook(lambda _m, _a, index=index: self.fetch_block(index))
             block.register_full_backward_pre_hook(lambda _m, _g, index=index: self.fetch_block(index))
         self.in_backward = False
@@ -281,7 +257,9 @@ class ChunkManager:
                                else self._view(buffer, slot))
 
     def _pack(self, tensor: torch.Tensor):
-        """Saved for backward: a weight view inside a buffer becomes (chunk, geometry)."""
+        """Autograd saves `tensor` for backward. A view into one of the chunk buffers becomes
+        (chunk, shape, stride, storage offset), since by backward that buffer may hold another
+        chunk; any other tensor is kept as it is."""
         key = tensor.untyped_storage().data_ptr()
         for chunk, buffer in self.chunk_in_buffer.items():
             if self.buffers[buffer].untyped_storage().data_ptr() == key:
@@ -289,6 +267,9 @@ class ChunkManager:
         return tensor
 
     def _unpack(self, packed):
+        """Backward needs a saved tensor back: rebuild a packed weight view (as_strided) from the
+        buffer its chunk is resident in now (the block's backward pre-hook fetched it);
+        RuntimeError if it is not resident."""
         if isinstance(packed, torch.Tensor):
             return packed
         chunk, shape, stride, offset = packed
@@ -329,22 +310,13 @@ class ChunkManager:
         self.observe("step_peak")
         for grad in self.grad:
             grad.zero_()
-        for param in self.model.fixed_parameters():
+        for param in fixed_parameters(self.model):
             param.grad = None
         for chunk in list(self.chunk_in_buffer):
             self._point(chunk, None)
         self.chunk_in_buffer.clear()
         self.pool.clear()
         return float(loss.detach())
-
-    def final_weights(self) -> list[torch.Tensor]:
-        """Every parameter's values, in model.parameters() order, read from where they live."""
-        weights = []
-        for param in self.model.parameters():
-            slot = self.slot_of.get(id(param))
-            weights.append(param.detach().cpu().clone() if slot is None else
-                           self._view(self.flat[slot.chunk], slot).detach().cpu().clone())
-        return weights
 
 
 # ============================================================================ 4. the cost model

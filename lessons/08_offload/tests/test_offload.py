@@ -36,8 +36,8 @@ def tearDownModule():
 class TestChunks(unittest.TestCase):
     def test_packing_keeps_order_and_never_straddles(self):
         model = M.make_offload_model(CONFIG, 0)
-        slots, used = M.pack_chunks(model.blocks, CONFIG["chunk_numel"])
-        self.assertEqual(sum(used), sum(p.numel() for p in model.blocks.parameters()))
+        slots, used = M.pack_chunks(model.layers, CONFIG["chunk_numel"])
+        self.assertEqual(sum(used), sum(p.numel() for p in model.layers.parameters()))
         self.assertTrue(all(0 < u <= CONFIG["chunk_numel"] for u in used))
         for before, after in zip(slots, slots[1:]):
             self.assertTrue((after.chunk, after.offset) == (before.chunk, before.offset + before.numel)
@@ -45,7 +45,7 @@ class TestChunks(unittest.TestCase):
 
     def test_a_parameter_larger_than_a_chunk_is_refused(self):
         with self.assertRaisesRegex(ValueError, "does not fit in a chunk"):
-            M.pack_chunks(M.make_offload_model(CONFIG, 0).blocks, 1000)
+            M.pack_chunks(M.make_offload_model(CONFIG, 0).layers, 1000)
 
     def test_lru_pool(self):
         pool = M.BufferPool(2)
