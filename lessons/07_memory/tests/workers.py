@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-M = importlib.import_module("lessons.07_memory.main")
+C = importlib.import_module("lessons.07_memory.checks")
 
 
 def all_checks(ctx) -> dict:
-    return M.verify_worker(ctx, 0, 16, 2, 64, 4, 2, 60, None, 0)
+    return C.verify_worker(ctx, 0, 16, 2, 64, 4, 2, 60, None, 0)

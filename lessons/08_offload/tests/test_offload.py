@@ -1,10 +1,14 @@
 """Lesson 08's suite: chunk packing, the LRU pool, bitwise training under offloading and
-recomputation, the cost model against lesson 07's tracker, the planner, the CLI."""
+recomputation, the cost model against lesson 07's tracker, the planner and its safety factor,
+the numbers the README and the quiz quote, the CLI."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import unittest
+import unittest.mock
 from pathlib import Path
 
 import torch
@@ -12,16 +16,28 @@ import torch
 from lessons._launch import launch
 from lessons._testing import assert_argument_error, assert_every_check_passes
 
-M = importlib.import_module("lessons.08_offload.main")
+M = importlib.import_module("lessons.08_offload.main")  # the technique
+C = importlib.import_module("lessons.08_offload.checks")  # the harness
 W = importlib.import_module("lessons.08_offload.tests.workers")
 CONFIG = W.CONFIG
+README = Path(M.__file__).with_name("README.md").read_text()
+QUIZ = Path(M.__file__).with_name("quiz.json").read_text()
+_THREADS = torch.get_num_threads()
+
+
+def setUpModule():  # one thread, as the demo's rank runs (no spinning on a loaded machine)
+    torch.set_num_threads(1)
+
+
+def tearDownModule():
+    torch.set_num_threads(_THREADS)
 
 
 class TestChunks(unittest.TestCase):
     def test_packing_keeps_order_and_never_straddles(self):
-        model = M.make_model(CONFIG, 0)
-        slots, used = M.pack_chunks(model.blocks, CONFIG["chunk_numel"])
-        self.assertEqual(sum(used), sum(p.numel() for p in model.blocks.parameters()))
+        model = M.make_offload_model(CONFIG, 0)
+        slots, used = M.pack_chunks(model.layers, CONFIG["chunk_numel"])
+        self.assertEqual(sum(used), sum(p.numel() for p in model.layers.parameters()))
         self.assertTrue(all(0 < u <= CONFIG["chunk_numel"] for u in used))
         for before, after in zip(slots, slots[1:]):
             self.assertTrue((after.chunk, after.offset) == (before.chunk, before.offset + before.numel)
@@ -29,7 +45,7 @@ class TestChunks(unittest.TestCase):
 
     def test_a_parameter_larger_than_a_chunk_is_refused(self):
         with self.assertRaisesRegex(ValueError, "does not fit in a chunk"):
-            M.pack_chunks(M.make_model(CONFIG, 0).blocks, 1000)
+            M.pack_chunks(M.make_offload_model(CONFIG, 0).layers, 1000)
 
     def test_lru_pool(self):
         pool = M.BufferPool(2)
@@ -42,91 +58,127 @@ class TestChunks(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "only 2 buffers"):
             pool.acquire([1, 2, 3])
 
+    def test_the_pool_never_evicts_a_kept_chunk(self):
+        pool = M.BufferPool(2)
+        pool.acquire([1])
+        pool.acquire([2])
+        placed = pool.acquire([3], keep=(1,))  # 1 is the LRU, but the running block needs it
+        self.assertEqual(set(pool.resident), {1, 3})
+        self.assertEqual(placed, [(3, 1, True)])
+
 
 class TestTraining(unittest.TestCase):
     def test_offloaded_and_recomputed_equal_plain_bitwise(self):
-        reference = M.train_plain(CONFIG, 3, 1)
-        for offload in (M.OffloadConfig(0, 0), M.OffloadConfig(1, 2), M.OffloadConfig(0, 3)):
-            with self.subTest(offload=offload):
-                run = M.train_offloaded(CONFIG, offload, 3, 1)
+        reference = C.train_plain(CONFIG, 3, 1)
+        for candidate in (M.OffloadConfig(0, 0), M.OffloadConfig(1, 2), M.OffloadConfig(0, 3)):
+            with self.subTest(offload=candidate):
+                run = C.train_offloaded(CONFIG, candidate, 3, 1)
                 self.assertEqual(run["losses"], reference["losses"])
                 for a, b in zip(run["weights"], reference["weights"]):
                     self.assertTrue(torch.equal(a, b))
 
     def test_a_stale_resident_copy_would_be_caught(self):
         """Skip the invalidation after the host step: the next forward uses old weights."""
-        model = M.make_model(CONFIG, 1)
+        model = M.make_offload_model(CONFIG, 1)
         manager = M.ChunkManager(model, M.OffloadConfig(0, 0), CONFIG["chunk_numel"])
-        batches = M.markov_batches(CONFIG, 3, 1)
+        batches = C.offload_batches(CONFIG, 3, 1)
         manager.pool.clear = lambda: None  # the bug: the pool still believes its copies are fresh
         manager.step(*batches[0])
         stale = manager.step(*batches[1])
-        reference = M.train_plain(CONFIG, 2, 1)["losses"][1]
+        reference = C.train_plain(CONFIG, 2, 1)["losses"][1]
         self.assertNotEqual(stale, reference)
 
 
 class TestCostModel(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.profile, cls.moments = M.profile_model(CONFIG, 0, repeats=1)
+        torch.set_num_threads(1)
+        cls.profile, cls.moments = C.profile_model(CONFIG, 0, repeats=1)
 
     def test_static_bytes_of_the_plain_run(self):
         plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
         self.assertEqual(self.moments["start"], M.static_bytes(self.profile, plain))
 
     def test_peaks_and_fetches_of_configurations_not_profiled(self):
-        for offload in (M.OffloadConfig(0, 0), M.OffloadConfig(2, 1), M.OffloadConfig(0, 3)):
-            with self.subTest(offload=offload):
-                run = M.train_offloaded(CONFIG, offload, 2, 0)
-                predicted = M.predict_peak(self.profile, offload)
+        for candidate in (M.OffloadConfig(0, 0), M.OffloadConfig(2, 1), M.OffloadConfig(0, 3)):
+            with self.subTest(offload=candidate):
+                run = C.train_offloaded(CONFIG, candidate, 2, 0)
+                predicted = M.predict_peak(self.profile, candidate)
                 self.assertLessEqual(abs(predicted - run["peak_bytes"]) / run["peak_bytes"], 0.10)
-                self.assertEqual(run["fetches"], M.count_fetches(self.profile, offload))
+                self.assertEqual(run["fetches"], M.count_fetches(self.profile, candidate))
 
     def test_planner(self):
         plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
-        self.assertEqual(M.plan(self.profile, M.predict_peak(self.profile, plain)), plain)
-        smallest = min(M.predict_peak(self.profile, c) for c in M.all_configs(self.profile))
-        self.assertLessEqual(M.predict_peak(self.profile, M.plan(self.profile, smallest)), smallest)
+        roomy = M.required_budget(self.profile, plain)
+        self.assertEqual(M.plan(self.profile, roomy), plain)
+        smallest = min(M.required_budget(self.profile, c) for c in M.all_configs(self.profile))
+        self.assertLessEqual(M.required_budget(self.profile, M.plan(self.profile, smallest)), smallest)
         with self.assertRaisesRegex(M.BudgetError, f"smallest feasible budget is {smallest:,} bytes"):
             M.plan(self.profile, smallest - 1)
-        for budget in (smallest, (smallest + M.predict_peak(self.profile, plain)) // 2):
+        for budget in (smallest, (smallest + roomy) // 2):
             chosen = M.plan(self.profile, budget)
-            fitting = [c for c in M.all_configs(self.profile) if M.predict_peak(self.profile, c) <= budget]
+            fitting = [c for c in M.all_configs(self.profile)
+                       if M.required_budget(self.profile, c) <= budget]
             self.assertEqual(M.predict_time(self.profile, chosen),
                              min(M.predict_time(self.profile, c) for c in fitting))
 
+    def test_the_safety_factor_leaves_a_margin(self):
+        plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
+        peak = M.predict_peak(self.profile, plain)
+        self.assertNotEqual(M.plan(self.profile, peak), plain)  # a peak equal to the budget: no
+        self.assertEqual(M.plan(self.profile, peak, safety=1.0), plain)  # ... unless asked for
+        self.assertTrue(1.1 * peak <= M.required_budget(self.profile, plain) < 1.1 * peak + 1)
+
     def test_recomputation_and_copies_only_add_time(self):
         base = M.predict_time(self.profile, M.OffloadConfig(len(self.profile.chunk_used), 0))
-        for offload in M.all_configs(self.profile):
-            self.assertGreaterEqual(M.predict_time(self.profile, offload), base)
+        for candidate in M.all_configs(self.profile):
+            self.assertGreaterEqual(M.predict_time(self.profile, candidate), base)
 
 
-class TestDefaultDemoNumbers(unittest.TestCase):
-    def test_readme_quotes_the_default_configuration(self):
-        args = M.parse_args([])
-        config = M.model_config(args)
-        profile, _ = M.profile_model(config, args.seed, repeats=1)
-        readme = Path(M.__file__).with_name("README.md").read_text()
+class TestDocNumbers(unittest.TestCase):
+    """Every number the README and the quiz quote, recomputed. All are bytes or counts (exact on
+    every machine); the planner's choice depends on measured times and is not quoted."""
+
+    def assertQuoted(self, text: str, where: str = README):
+        self.assertTrue(text in " ".join(where.split()), f"{text!r} is not quoted")
+
+    def test_default_configuration(self):
+        args = C.parse_args([])
+        config = C.model_config(args)
+        profile, _ = C.profile_model(config, args.seed, repeats=1)
         plain = M.OffloadConfig(len(profile.chunk_used), 0)
         layers = config["layers"]
-        for offload in (plain, M.OffloadConfig(0, 0), M.OffloadConfig(0, layers - 1)):
-            self.assertIn(f"{M.predict_peak(profile, offload):,} B", readme)
-        self.assertIn(f"{int(0.6 * M.predict_peak(profile, plain)):,} B", readme)
+        self.assertQuoted(f"{len(profile.chunk_used)} chunks")
+        self.assertQuoted(f"the {len(M.all_configs(profile))} configurations")
+        for candidate in (plain, M.OffloadConfig(0, 0), M.OffloadConfig(0, layers - 1)):
+            self.assertQuoted(f"{M.predict_peak(profile, candidate):,} B")
+        self.assertQuoted(f"{int(0.6 * M.predict_peak(profile, plain)):,} B")
         everything = M.OffloadConfig(0, layers)
-        run = M.train_offloaded(config, everything, 2, args.seed)
-        self.assertIn(f"{run['peak_bytes']:,} measured", readme)
-        self.assertIn(f"{M.count_fetches(profile, M.OffloadConfig(0, 0))} per step", readme)
+        run = C.train_offloaded(config, everything, 2, args.seed)
+        self.assertQuoted(f"{M.predict_peak(profile, everything):,} predicted vs "
+                          f"{run['peak_bytes']:,} measured")
+        self.assertQuoted(f"{M.count_fetches(profile, M.OffloadConfig(0, 0))} per step")
+        smallest = min(M.required_budget(profile, c) for c in M.all_configs(profile))
+        self.assertQuoted(f"{smallest:,} B")
 
-
-class TestNamedModel(unittest.TestCase):
-    def test_readme_numbers(self):
-        layout = M.named_model_layout(**M.GPT2_XL)
-        readme = Path(M.__file__).with_name("README.md").read_text()
+    def test_gpt2_xl(self):
+        layout = C.named_model_layout(**C.GPT2_XL)
         for text in (f"{layout['static_all_persistent'] / 1e9:.1f} GB",
                      f"{layout['static_all_offloaded'] / 1e9:.2f} GB",
                      f"{layout['host_all_offloaded'] / 1e9:.1f} GB",
-                     f"{layout['chunks']} chunks", f"{layout['buffers']} buffers"):
-            self.assertIn(text, readme)
+                     f"{layout['chunks']} chunks", f"{layout['buffers']} buffers",
+                     f"{layout['fetches_all_offloaded']} chunk fetches"):
+            self.assertQuoted(text)
+        self.assertQuoted(f"{layout['static_all_persistent'] / 1e9:.1f} GB", QUIZ)
+        traffic = C.offload_traffic(layout, 1024)
+        for text in (f"{traffic['ours_bytes'] / 1e9:.1f} GB", f"{traffic['ours_seconds']:.2f} s",
+                     f"{traffic['zero_offload_bytes'] / 1e9:.1f} GB",
+                     f"{traffic['zero_offload_seconds']:.2f} s",
+                     f"{traffic['compute_seconds'] * 1e3:.0f} ms",
+                     f"{traffic['break_even_tokens_ours']:,} tokens",
+                     f"{traffic['break_even_tokens_zero_offload']:,} tokens"):
+            self.assertQuoted(text)
+        self.assertQuoted(f"{traffic['zero_offload_seconds']:.2f} s", QUIZ)
 
 
 class TestDemo(unittest.TestCase):
@@ -134,17 +186,20 @@ class TestDemo(unittest.TestCase):
         assert_every_check_passes(self, {1: launch(W.quick_checks, 1, device="cpu", timeout_s=120)})
 
     def test_bad_arguments(self):
-        assert_argument_error(self, M.parse_args, ["--hidden", "30", "--heads", "4"], "--hidden 30")
-        assert_argument_error(self, M.parse_args, ["--device", "cuda"], "runs on the CPU")
-        assert_argument_error(self, M.parse_args, ["--chunk-numel", "1000"], "largest weight")
-        assert_argument_error(self, M.parse_args, ["--budget", "0"], "--budget")
+        assert_argument_error(self, C.parse_args, ["--hidden", "30", "--heads", "4"], "--hidden 30")
+        assert_argument_error(self, C.parse_args, ["--device", "cuda"], "runs on the CPU")
+        assert_argument_error(self, C.parse_args, ["--chunk-numel", "1000"], "largest weight")
+        assert_argument_error(self, C.parse_args, ["--budget", "0"], "--budget")
+        assert_argument_error(self, C.parse_args, ["--safety", "0.9"], "--safety")
+
+    def test_more_than_one_torchrun_process_is_refused(self):
+        with unittest.mock.patch.dict("os.environ", {"RANK": "0", "WORLD_SIZE": "2"}):
+            assert_argument_error(self, C.parse_args, [], "--nproc-per-node=1")
 
     def test_impossible_budget_exits_2_naming_the_smallest(self):
-        import contextlib
-        import io
         stderr = io.StringIO()
         with contextlib.redirect_stderr(stderr):
-            code = M.main(["--budget", "1000", "--layers", "2", "--steps", "2"])
+            code = C.main(["--budget", "1000", "--layers", "2", "--steps", "2"])
         self.assertEqual(code, 2)
         self.assertRegex(stderr.getvalue().strip(), r"^error: .*smallest feasible budget is [\d,]+ bytes")
 
