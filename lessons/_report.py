@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import importlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -92,11 +93,16 @@ def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 6
                           help="make one rank fail on purpose, to see how the run ends")
     plumbing.add_argument("--fault-rank", type=int_in(0), default=0,
                           help="the rank --fault applies to (default 0)")
+    parser.set_defaults(_max_world_size=max_world_size)
     return parser
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Cross-argument validation shared by lessons: exits 2 with one line on a bad combination."""
+    limit = getattr(args, "_max_world_size", None)
+    if under_torchrun() and limit is not None and int(os.environ["WORLD_SIZE"]) > limit:
+        parser.error(f"this lesson runs at most {limit} process(es): under torchrun use "
+                     f"--nproc-per-node={limit} (WORLD_SIZE is {os.environ['WORLD_SIZE']})")
     if args.fault is not None and args.fault_rank >= args.world_size and not under_torchrun():
         parser.error(f"--fault-rank {args.fault_rank} is not a rank of --world-size "
                      f"{args.world_size}")

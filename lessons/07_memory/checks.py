@@ -13,13 +13,12 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
 import torch.nn as nn
 
-from lessons._launch import RankContext, inject_fault, launch, under_torchrun
+from lessons._launch import RankContext, inject_fault, launch
 from lessons._report import Check, Report, check_args, finish, int_in, lesson_parser
 
 from . import main as memory
@@ -482,9 +481,6 @@ def parse_args(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     if args.device == "cuda":
         parser.error("--device cuda: this demo runs on the CPU (the notebook runs cuda_cross_check())")
-    if under_torchrun() and os.environ["WORLD_SIZE"] != "1":
-        parser.error(f"this lesson runs one process: under torchrun use --nproc-per-node=1 "
-                     f"(WORLD_SIZE is {os.environ['WORLD_SIZE']})")
     check_args(parser, args)
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")

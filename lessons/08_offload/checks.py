@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 
 import torch
 
 from lessons._checks import best_time, synchronize
-from lessons._launch import RankContext, inject_fault, launch, under_torchrun
+from lessons._launch import RankContext, inject_fault, launch
 from lessons._report import Check, Report, check_args, finish, float_in, int_in, lesson_parser
 
 from . import main as offload
@@ -350,9 +349,6 @@ def parse_args(argv: list[str] | None = None):
         parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     if args.device == "cuda":
         parser.error("--device cuda: this demo runs on the CPU (the notebook runs the manager on CUDA)")
-    if under_torchrun() and os.environ["WORLD_SIZE"] != "1":
-        parser.error(f"this lesson runs one process: under torchrun use --nproc-per-node=1 "
-                     f"(WORLD_SIZE is {os.environ['WORLD_SIZE']})")
     check_args(parser, args)
     return args
 
