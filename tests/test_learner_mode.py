@@ -25,7 +25,7 @@ def lessons_with_exercises() -> list[dict]:
     return [lesson for lesson in lessons() if ex.lesson_exercises(REPO_ROOT / lesson["folder"])]
 
 
-def tests_by_criterion(lesson: dict) -> dict[str, list[str]]:
+def criteria_of_tests(lesson: dict) -> dict[str, list[str]]:
     suite = unittest.TestLoader().discover(str(REPO_ROOT / lesson["paths"]["tests"]),
                                            top_level_dir=str(REPO_ROOT))
     found: dict[str, list[str]] = {}
@@ -46,7 +46,7 @@ class TestExercisesAreGraded(unittest.TestCase):
     def test_every_exercise_is_graded(self):
         for lesson in lessons_with_exercises():
             exercises = ex.lesson_exercises(REPO_ROOT / lesson["folder"])
-            graded = tests_by_criterion(lesson)
+            graded = criteria_of_tests(lesson)
             with self.subTest(lesson=lesson["id"]):
                 self.assertTrue(2 <= len(exercises) <= 5, [e.id for e in exercises])
                 for exercise in exercises:
