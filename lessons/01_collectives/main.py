@@ -103,15 +103,22 @@ def ring_schedule(numel: int, world_size: int, rank: int, shift: int) -> list[tu
             for step in range(world_size - 1)]
 
 
+# exercise ring-reduce-scatter (3 points): Ring reduce-scatter
+# hint: work on a flat copy; for each (send, recv) of ring_schedule(S, p, rank, shift=1),
+#   exchange flat[send] to the right and a buffer from the left, then add the buffer into
+#   flat[recv]; return a copy of chunk `rank` (chunk_bounds).
 def ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None = None) -> torch.Tensor:
     """Sum `tensor` (same shape on every rank, flattened to S elements) across the p ranks and
-    return this rank's chunk `rank` of the sum, a new 1-D tensor of chunk_sizes(S, p)[rank].
+    return this rank's chunk `rank` of the sum, a new 1-D tensor of chunk_sizes(S, p)[rank]
+    elements (empty when S < p leaves it none), of `tensor`'s dtype and device.
 
-    p-1 steps (`ring_schedule`, shift 1): send one partial-sum chunk right, receive one from
-    the left and add it into our copy. Chunk c's partial sum starts on rank c+1 and travels
-    once round the ring, gaining one term per hop, so it ends on rank c as
-    x_c + (x_{c-1} + (... + x_{c+1})). Bytes sent: S - |chunk r| = (p-1)/p * S when p divides
-    S. Time: (p-1) alpha + (p-1)/p * S * beta. `tensor` is unchanged.
+    p-1 steps (`ring_schedule`, shift 1): send one partial-sum chunk right (rank r+1 mod p),
+    receive one from the left (rank r-1 mod p) and add it into our copy. Chunk c's partial
+    sum starts on rank c+1 and travels once round the ring, gaining one term per hop, so it
+    ends on rank c as x_c + (x_{c-1} + (... + x_{c+1})), bit for bit (`ring_order_sum` in
+    checks.py adds in that order). Every message goes through `exchange(..., traffic)`, so
+    `traffic` (when given) counts the bytes sent: S - |chunk r| = (p-1)/p * S when p divides
+    S. Time: (p-1) alpha + (p-1)/p * S * beta. `tensor` is unchanged. p = 1: a copy.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     flat = tensor.reshape(-1).clone()
@@ -126,15 +133,21 @@ def ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None = None) ->
     return flat[start:end].clone()
 
 
+# exercise ring-all-gather (3 points): Ring all-gather
+# hint: check the chunk's size first (before any message); place it at chunk_bounds(numel,
+#   p)[rank] of a new length-numel vector, then for each (send, recv) of ring_schedule(numel,
+#   p, rank, shift=0) send out[send] to the right and receive out[recv] from the left.
 def ring_all_gather(chunk: torch.Tensor, numel: int, traffic: Traffic | None = None) -> torch.Tensor:
-    """Every rank contributes `chunk` (its chunk `rank` of a length-`numel` vector, sizes from
-    `chunk_sizes`; ValueError naming the rank otherwise); every rank returns the whole 1-D
-    vector of `numel` elements.
+    """Every rank contributes `chunk` (its chunk `rank` of a length-`numel` vector, any shape
+    with chunk_sizes(numel, p)[rank] elements; otherwise raise ValueError, before sending
+    anything, with a message naming the rank: "rank 2: chunk has ..."); every rank returns
+    the whole vector, a new 1-D tensor of `numel` elements of `chunk`'s dtype, chunk i at
+    chunk_bounds(numel, p)[i]. `chunk` is unchanged.
 
     p-1 steps (`ring_schedule`, shift 0): forward the chunk received last step to the right,
     receive the next one from the left straight into place. Copies only, so the result is the
-    same bits on every rank. Bytes sent: S - |chunk r+1| = (p-1)/p * S when p divides S.
-    Time: (p-1) alpha + (p-1)/p * S * beta.
+    same bits on every rank. Every message goes through `exchange(..., traffic)`; bytes sent:
+    S - |chunk r+1| = (p-1)/p * S when p divides S. Time: (p-1) alpha + (p-1)/p * S * beta.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     start, end = chunk_bounds(numel, world)[rank]
@@ -149,12 +162,15 @@ def ring_all_gather(chunk: torch.Tensor, numel: int, traffic: Traffic | None = N
     return out
 
 
+# exercise ring-all-reduce (2 points): Ring all-reduce = reduce-scatter + all-gather
+# hint: two calls, with the same `traffic`, then give the result `tensor`'s shape back.
 def ring_all_reduce(tensor: torch.Tensor, traffic: Traffic | None = None) -> torch.Tensor:
     """All-reduce (sum) = `ring_reduce_scatter`, then `ring_all_gather` of the reduced chunks.
 
-    Returns a new tensor of `tensor`'s shape holding the element-wise sum over ranks, the same
-    bits on every rank; `tensor` is unchanged (dist.all_reduce works in place; both sum, and
-    averaging is the caller's job). 2(p-1) steps of S/p bytes: each rank sends
+    Returns a new tensor of `tensor`'s shape and dtype holding the element-wise sum over
+    ranks (in the ring's order: the same bits as `ring_order_sum`), the same bits on every
+    rank; `tensor` is unchanged (dist.all_reduce works in place; both sum, and averaging is
+    the caller's job). `traffic` counts both phases' bytes. 2(p-1) steps of S/p bytes: each rank sends
     2(p-1)/p * S bytes, bounded by 2S and almost independent of p (bandwidth-optimal). But the
     time 2(p-1) alpha + 2(p-1)/p * S * beta has a latency term that grows linearly with p.
     """
@@ -213,14 +229,21 @@ def segmented_ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None 
 # ============================================================================ 5. tree and doubling
 
 
+# exercise tree-broadcast (3 points): Binomial-tree broadcast
+# hint: relative ranks make every root look like rank 0; turn a relative rank back into a
+#   real one by adding root (mod p). A rank receives exactly once: in the round k with
+#   2^k <= v < 2^(k+1). Each round is one `exchange` (a send, a receive, or nothing).
 def tree_broadcast(tensor: torch.Tensor, root: int, traffic: Traffic | None = None) -> int:
-    """Binomial-tree broadcast of `tensor` (any shape, contiguous) from `root`, in place.
-    Returns the number of rounds.
+    """Binomial-tree broadcast of `tensor` (any shape, contiguous; the same shape and dtype on
+    every rank) from `root`, in place: afterwards every rank's `tensor` holds the root's
+    values. Returns the number of rounds, ceil(log2 p) on every rank (0 when p = 1).
 
     With relative rank v = (rank - root) mod p, in round k (k = 0, 1, ...) every rank with
     v < 2^k already has the data and sends it to v + 2^k (if that exists). The set of ranks
     holding the data doubles each round: ceil(log2 p) rounds, p-1 messages of S bytes in all.
-    The root sends ceil(log2 p) * S bytes. Time: ceil(log2 p) * (alpha + S * beta).
+    Every message goes through `exchange(..., traffic)`: the root sends ceil(log2 p) * S
+    bytes, rank r `tree_broadcast_bytes_sent(S, p, root, r)`. Time: ceil(log2 p) *
+    (alpha + S * beta).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     relative = (rank - root) % world
@@ -268,15 +291,22 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, traffic: Traffic | None 
 # ============================================================================ 6. all-to-all
 
 
+# exercise all-to-all (4 points): All-to-all with uneven, unknown counts
+# hint: validate the counts first; Tensor.split cuts `send` (and a new output) into blocks by
+#   the counts; copy your own block locally and post every other block in ONE `exchange`
+#   (block j to rank j, block i of the output from rank i). Unknown recv_counts: first an
+#   all_to_all of one int64 count per rank.
 def all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None,
                traffic: Traffic | None = None) -> torch.Tensor:
     """Personalised exchange: rank r's rows are grouped by destination, and rank j receives
     block j of every rank, stacked in source-rank order.
 
     send: (sum(send_counts), *trailing), rows [o_j, o_j + send_counts[j]) go to rank j
-    (o_j = sum of the counts before j); counts may be uneven or zero. Returns
-    (sum(recv_counts), *trailing): recv_counts[i] rows from rank i, in rank order. dtype and
-    trailing shape must be equal on every rank. recv_counts None (the receiver does not know
+    (o_j = sum of the counts before j); counts may be uneven or zero. Returns a new tensor
+    (sum(recv_counts), *trailing) of send's dtype: recv_counts[i] rows from rank i, in rank
+    order; `send` is unchanged. dtype and trailing shape must be equal on every rank.
+    send_counts that are not p counts >= 0 summing to send.shape[0]: ValueError naming the
+    rank ("rank 1: ..."), before any message. recv_counts None (the receiver does not know
     them, as in mixture-of-experts dispatch): they are exchanged first, an all-to-all of one
     int64 per pair. Same result as dist.all_to_all_single(out, send, recv_counts, send_counts).
     Own block: a local copy; the rest: one group of up to 2(p-1) messages. Bytes sent: sum
