@@ -83,6 +83,9 @@ class MemoryTracker(TorchDispatchMode):
                 self.track(item)
         return out
 
+    # exercise tracker (4 points): The tracker's accounting: live bytes per storage, the peak
+    # hint: key by tensor.untyped_storage()._cdata so a view finds its base's entry; only
+    #   non-host bytes move live_bytes; _grow raises the peak, _leave_peak runs before shrinking
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
         """Follow `tensor`'s storage, or re-file it under `category` if already followed.
 
@@ -104,6 +107,7 @@ class MemoryTracker(TorchDispatchMode):
         if item.category != "host":
             self._grow(item.nbytes)
 
+    # exercise tracker (continued)
     def _grow(self, nbytes: int) -> None:
         """live_bytes += nbytes; a new maximum becomes peak_bytes (and the live set at that
         moment is copied into peak_live when the tracker next shrinks: `_leave_peak`)."""
@@ -117,6 +121,7 @@ class MemoryTracker(TorchDispatchMode):
             self.peak_live = [a for a in self.live.values() if a.category != "host"]
             self._at_peak = False
 
+    # exercise tracker (continued)
     def _refile(self, item: Allocation, category: str) -> None:
         """Change what a live storage is for. Between two device categories the byte counts do
         not move; into "host" its bytes leave live_bytes, out of "host" they join it."""
@@ -127,6 +132,7 @@ class MemoryTracker(TorchDispatchMode):
             self.live_bytes -= item.nbytes
         item.category = category
 
+    # exercise tracker (continued)
     def _free(self, key: int) -> None:
         """The weak reference fired: the storage is gone. Forget it, and take its bytes out of
         live_bytes unless it was host memory (the peak stays)."""
@@ -191,6 +197,9 @@ def tracked_step(tracker: MemoryTracker, model: nn.Module, optimizer, batch) -> 
 # ============================================================================ 2. model states
 
 
+# exercise memory-formulas (2 points): Bytes per parameter and activation bytes per layer
+# hint: count each tensor kept between steps (weights, grads, master, m, v) by its dtype's size;
+#   activations: 16 itemsize + 2 bytes per sbh element, 2 itemsize + 1 per a s^2 b element
 def model_state_bytes_per_param(recipe: str) -> int:
     """Bytes per parameter kept between steps (weights, gradients, optimizer states).
 
@@ -311,6 +320,7 @@ def causal_bias(seq: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.full((seq, seq), float("-inf"), dtype=dtype, device=device).triu(1)
 
 
+# exercise memory-formulas (continued)
 def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, itemsize: int = 2) -> int:
     """Korthikanti et al.: sbh(34 + 5as/h) for 16-bit tensors (itemsize 2) and 1-byte masks.
     In general: sbh(16 itemsize + 2) + a s^2 b (2 itemsize + 1)."""
@@ -386,10 +396,14 @@ class DynamicLossScaler:
         self.growth_interval, self.clean_steps = growth_interval, 0
         self.found_inf = False
 
+    # exercise loss-scaler (4 points): Dynamic loss scaling with GradScaler's rules
+    # hint: check isfinite before multiplying by 1/S; on overflow skip optimizer.step(), halve S and
+    #   reset the counter; grow S only when growth_interval clean steps have passed in a row
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """loss x S (in the loss's dtype): backward then produces gradients S times larger."""
         return loss * self.scale_value.to(loss.dtype)
 
+    # exercise loss-scaler (continued)
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Every .grad of the optimizer's parameters x (1/S), in place, with 1/S computed in
         float64 and rounded to float32 (GradScaler's arithmetic, so the weights match bitwise);
@@ -402,6 +416,7 @@ class DynamicLossScaler:
                     self.found_inf |= not bool(torch.isfinite(param.grad).all())
                     param.grad.mul_(inv_scale)
 
+    # exercise loss-scaler (continued)
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale and step unless a gradient overflowed; True when the step was taken."""
         self.unscale_(optimizer)
@@ -409,6 +424,7 @@ class DynamicLossScaler:
             optimizer.step()
         return not self.found_inf
 
+    # exercise loss-scaler (continued)
     def update(self) -> None:
         """After each step. An overflow (found_inf): S x backoff_factor and the clean-step
         counter restarts at 0. Otherwise the counter grows by one; when it reaches
@@ -497,6 +513,9 @@ def dynamic_codebook(signed: bool) -> torch.Tensor:
 CODEBOOKS = {True: dynamic_codebook(True), False: dynamic_codebook(False)}
 
 
+# exercise blockwise-quant (3 points): Block-wise 8-bit quantization for Adam's states
+# hint: F.pad to a multiple of B, .view(-1, B), one absmax per row (amax(dim=1));
+#   torch.bucketize against the midpoints of the codebook finds the nearest code
 def quantize_blockwise(x: torch.Tensor, signed: bool,
                        block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, n elements, float) -> (codes uint8 (ceil(n/B), B), absmax (ceil(n/B),)).
@@ -514,6 +533,7 @@ def quantize_blockwise(x: torch.Tensor, signed: bool,
     return codes, absmax
 
 
+# exercise blockwise-quant (continued)
 def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
                          shape: torch.Size) -> torch.Tensor:
     """The inverse: CODEBOOKS[signed][code] x its block's absmax, padding dropped, in `shape`

@@ -113,6 +113,9 @@ class BufferPool:
         self.resident: OrderedDict[int, int] = OrderedDict()
         self.fetches = 0
 
+    # exercise buffer-pool (3 points): The LRU buffer pool and the prefetch plan
+    # hint: an OrderedDict keeps the least recently used first: move_to_end on a hit; the victim
+    #   is the first chunk in it that is neither needed now nor kept
     def acquire(self, chunks: list[int], keep: tuple[int, ...] = ()) -> list[tuple[int, int, bool]]:
         """Make every chunk in `chunks` resident, in order; returns (chunk, buffer, fetched).
 
@@ -148,6 +151,7 @@ def offloaded_chunks(block_chunks: list[list[int]], n_persist: int, block: int) 
     return [c for c in block_chunks[block] if c >= n_persist]
 
 
+# exercise buffer-pool (continued)
 def access_plan(block_chunks: list[list[int]], n_persist: int, block: int, direction: int,
                 pool: BufferPool) -> list[tuple[list[int], tuple[int, ...]]]:
     """What to acquire when `block` is about to run: its offloaded chunks, then (prefetch) the
@@ -231,6 +235,10 @@ class ChunkManager:
     def _view(flat: torch.Tensor, slot: Slot) -> torch.Tensor:
         return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
+    # exercise chunk-manager (4 points): Fetch a block's chunks; save weights as chunk references
+    # hint: direction is -1 in backward; for each (chunk, buffer, fetched) the pool returns, point
+    #   the old owner of the buffer at nothing, copy the chunk in, point its weights at the buffer;
+    #   _pack finds the buffer by storage data_ptr, _unpack rebuilds with as_strided
     def fetch_block(self, block: int) -> None:
         """Make `block`'s offloaded chunks resident and point its weights at them, then prefetch
         the next block's first missing chunk (next: block + 1 in forward, block - 1 in backward,
@@ -256,6 +264,7 @@ class ChunkManager:
             slot.param.data = (torch.empty(0, device=self.device) if buffer is None
                                else self._view(buffer, slot))
 
+    # exercise chunk-manager (continued)
     def _pack(self, tensor: torch.Tensor):
         """Autograd saves `tensor` for backward. A view into one of the chunk buffers becomes
         (chunk, shape, stride, storage offset), since by backward that buffer may hold another
@@ -266,6 +275,7 @@ class ChunkManager:
                 return (chunk, tensor.shape, tensor.stride(), tensor.storage_offset())
         return tensor
 
+    # exercise chunk-manager (continued)
     def _unpack(self, packed):
         """Backward needs a saved tensor back: rebuild a packed weight view (as_strided) from the
         buffer its chunk is resident in now (the block's backward pre-hook fetched it);
@@ -427,12 +437,16 @@ class BudgetError(ValueError):
 SAFETY = 1.10  # ProTrain's fragmentation factor (alpha), as Axolotl's integration applies it
 
 
+# exercise planner (3 points): The budget a configuration needs, and the planner
+# hint: required = ceil(safety x predict_peak); keep the configurations whose requirement fits,
+#   pick the fastest by predict_time (ties: -n_persist, then n_checkpoint)
 def required_budget(profile: Profile, config: OffloadConfig, safety: float = SAFETY) -> int:
     """The budget `config` needs: ceil(safety x predicted peak). The factor covers what the
     model does not see: the allocator's fragmentation and rounding, transients, model error."""
     return math.ceil(safety * predict_peak(profile, config))
 
 
+# exercise planner (continued)
 def plan(profile: Profile, budget_bytes: int, safety: float = SAFETY) -> OffloadConfig:
     """The configuration with the smallest predicted time whose required_budget fits
     `budget_bytes` (ties: more persistent chunks, then fewer recomputed blocks).

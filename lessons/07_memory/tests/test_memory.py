@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from lessons._launch import launch
-from lessons._testing import assert_argument_error, assert_every_check_passes
+from lessons._testing import assert_argument_error, assert_every_check_passes, exercise
 
 M = importlib.import_module("lessons.07_memory.main")  # the technique
 C = importlib.import_module("lessons.07_memory.checks")  # the harness
@@ -32,6 +32,7 @@ def tearDownModule():
     torch.set_num_threads(_THREADS)
 
 
+@exercise("tracker")
 class TestTracker(unittest.TestCase):
     def test_views_are_free_and_frees_are_seen(self):
         tracker = M.MemoryTracker()
@@ -81,12 +82,35 @@ class TestTracker(unittest.TestCase):
             self.assertEqual(tracker.breakdown()["host"], 400)
             del on_device, on_host
 
+    def test_refiling_between_device_categories_moves_no_bytes(self):
+        tracker = M.MemoryTracker()
+        with tracker:
+            grad = torch.zeros(100)  # 400 temporary bytes
+            tracker.mark([grad], "gradient")
+            tracker.mark([grad[:10]], "optimizer")  # a view: the same storage, re-filed
+            self.assertEqual(tracker.live_bytes, 400)
+            self.assertEqual(tracker.breakdown()["optimizer"], 400)
+            self.assertEqual(tracker.breakdown()["temporary"], 0)
+            tracker.mark([grad], "host")  # offloaded: leaves the device count, the peak stays
+            self.assertEqual(tracker.live_bytes, 0)
+            del grad
+        self.assertEqual((tracker.live_bytes, tracker.peak_bytes), (0, 400))
+        self.assertEqual(tracker.live, {})
+
     def test_equal_to_torch_memtracker(self):
         result = C.compare_with_torch_memtracker(3)
         self.assertEqual(result["ours"], result["torch"])
 
 
 class TestBytesPerParameter(unittest.TestCase):
+    @exercise("memory-formulas")
+    def test_the_table(self):
+        expected = {"fp32_adam": 16, "mixed_adam": 16, "mixed_adam_main_grad": 18,
+                    "mixed_adam_fp32_accum": 20, "mixed_adam8bit": 10}
+        for recipe, nbytes in expected.items():
+            with self.subTest(recipe=recipe):
+                self.assertEqual(M.model_state_bytes_per_param(recipe), nbytes)
+
     def test_each_recipe_matches_the_formula(self):
         for recipe in C.RECIPES:
             with self.subTest(recipe=recipe):
@@ -104,9 +128,13 @@ class TestBytesPerParameter(unittest.TestCase):
 
 
 class TestActivations(unittest.TestCase):
+    @exercise("memory-formulas")
     def test_formula(self):
         self.assertEqual(M.activation_bytes_per_layer(16, 2, 64, 4), 16 * 2 * 64 * (34 + 5 * 4 * 16 / 64))
         self.assertEqual(M.activation_bytes_per_layer(1024, 1, 1600, 25), 186_777_600)
+        # fp32 tensors, 1-byte masks: sbh(16 x 4 + 2) + a s^2 b (2 x 4 + 1)
+        self.assertEqual(M.activation_bytes_per_layer(8, 3, 32, 2, itemsize=4),
+                         8 * 3 * 32 * 66 + 2 * 8 * 8 * 3 * 9)
 
     def test_measured_equals_formula_at_other_shapes(self):
         for seq, batch, hidden, heads in ((8, 3, 32, 2), (32, 1, 48, 6)):
@@ -117,12 +145,54 @@ class TestActivations(unittest.TestCase):
 
 
 class TestMixedPrecision(unittest.TestCase):
+    @exercise("loss-scaler")
+    def test_scale_and_unscale(self):
+        scaler = M.DynamicLossScaler(init_scale=8.0)
+        self.assertEqual(float(scaler.scale(torch.tensor(1.5))), 12.0)
+        param = torch.nn.Parameter(torch.zeros(3))
+        param.grad = torch.tensor([8.0, -4.0, 16.0])
+        optimizer = torch.optim.SGD([param], lr=1.0)
+        scaler.unscale_(optimizer)
+        self.assertEqual(param.grad.tolist(), [1.0, -0.5, 2.0])
+        self.assertFalse(scaler.found_inf)
+        param.grad = torch.tensor([1.0, float("nan"), 2.0])
+        scaler.unscale_(optimizer)
+        self.assertTrue(scaler.found_inf)
+
+    @exercise("loss-scaler")
+    def test_an_overflow_skips_the_step_and_backs_off(self):
+        scaler = M.DynamicLossScaler(init_scale=1024.0, growth_interval=3)
+        param = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([param], lr=1.0)
+        param.grad = torch.tensor([float("inf"), 1.0])
+        with unittest.mock.patch.object(optimizer, "step") as step:
+            self.assertFalse(scaler.step(optimizer))
+        step.assert_not_called()
+        scaler.update()
+        self.assertEqual(scaler.get_scale(), 512.0)
+        self.assertEqual(scaler.clean_steps, 0)
+
+    @exercise("loss-scaler")
+    def test_the_scale_grows_only_after_growth_interval_clean_steps(self):
+        scaler = M.DynamicLossScaler(init_scale=4.0, growth_interval=3)
+        param = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([param], lr=0.0)
+        scales = []
+        for _ in range(7):
+            param.grad = torch.ones(2)
+            self.assertTrue(scaler.step(optimizer))
+            scaler.update()
+            scales.append(scaler.get_scale())
+        self.assertEqual(scales, [4.0, 4.0, 8.0, 8.0, 8.0, 16.0, 16.0])
+
+    @exercise("loss-scaler")
     def test_scaler_matches_grad_scaler_with_other_overflows(self):
         result = C.compare_with_grad_scaler(steps=10, overflow_steps=(0, 1, 5), growth_interval=2)
         self.assertEqual(result["ours"], result["torch"])
         self.assertTrue(result["weights_equal"])
         self.assertEqual(result["ours"]["skipped"], [0, 1, 5])
 
+    @exercise("loss-scaler")
     def test_defaults_are_grad_scalers(self):
         ours, theirs = M.DynamicLossScaler(), torch.amp.GradScaler("cpu")
         self.assertEqual(ours.get_scale(), theirs.get_scale())
@@ -130,6 +200,7 @@ class TestMixedPrecision(unittest.TestCase):
                          (theirs.get_growth_factor(), theirs.get_backoff_factor(),
                           theirs.get_growth_interval()))
 
+    @exercise("loss-scaler")
     def test_a_scaler_that_never_backs_off_is_caught(self):
         class NoBackoff(M.DynamicLossScaler):
             def update(self):
@@ -164,6 +235,24 @@ class TestRecomputation(unittest.TestCase):
 
 
 class TestAdam8bit(unittest.TestCase):
+    @exercise("blockwise-quant")
+    def test_one_absmax_per_block(self):
+        # blocks of very different magnitudes: each keeps its own scale and relative precision
+        x = torch.cat([torch.full((256,), 1e3), torch.linspace(-1e-3, 1e-3, 256), torch.ones(100)])
+        codes, absmax = M.quantize_blockwise(x, True, 256)
+        self.assertEqual(tuple(codes.shape), (3, 256))
+        self.assertEqual(absmax.tolist(), [1e3, float(torch.tensor(1e-3)), 1.0])
+        self.assertEqual(codes[2, 100:].tolist(), [int((M.CODEBOOKS[True] == 0).nonzero())] * 156)
+        back = M.dequantize_blockwise(codes, absmax, True, x.shape)
+        self.assertEqual(back.shape, x.shape)
+        small = slice(256, 512)
+        self.assertLessEqual(float((back[small] - x[small]).abs().max()), 1e-3 * 0.07)
+        self.assertTrue(torch.equal(back[:256], x[:256]))
+        zero_codes, zero_absmax = M.quantize_blockwise(torch.zeros(10), False, 4)
+        self.assertTrue(torch.equal(M.dequantize_blockwise(zero_codes, zero_absmax, False, (10,)),
+                                    torch.zeros(10)))
+
+    @exercise("blockwise-quant")
     def test_round_trip_error_is_within_half_a_code_gap(self):
         x = torch.randn(5000, generator=torch.Generator().manual_seed(0)) ** 3
         for block in (M.BLOCK, 256):

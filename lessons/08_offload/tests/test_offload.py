@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import math
 import unittest
 import unittest.mock
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 
 from lessons._launch import launch
-from lessons._testing import assert_argument_error, assert_every_check_passes
+from lessons._testing import assert_argument_error, assert_every_check_passes, exercise
 
 M = importlib.import_module("lessons.08_offload.main")  # the technique
 C = importlib.import_module("lessons.08_offload.checks")  # the harness
@@ -25,6 +26,56 @@ QUIZ = Path(M.__file__).with_name("quiz.json").read_text()
 _THREADS = torch.get_num_threads()
 
 
+class OraclePool:
+    """An independent LRU pool (the chunk manager's tests run on it, so a mistake in the
+    learner's BufferPool or access_plan shows in the buffer-pool row only)."""
+
+    def __init__(self, n_buffers):
+        self.n_buffers, self.resident, self.fetches = n_buffers, {}, 0
+
+    def acquire(self, chunks, keep=()):
+        if len(chunks) + len(keep) > self.n_buffers:
+            raise ValueError(f"only {self.n_buffers} buffers")
+        placed = []
+        for chunk in chunks:
+            fetched = chunk not in self.resident
+            if fetched:
+                taken = set(self.resident.values())
+                free = [b for b in range(self.n_buffers) if b not in taken]
+                if free:
+                    buffer = free[0]
+                else:
+                    victim = [c for c in self.resident if c not in chunks and c not in keep][0]
+                    buffer = self.resident.pop(victim)
+                self.fetches += 1
+            else:
+                buffer = self.resident.pop(chunk)
+            self.resident[chunk] = buffer  # dicts keep insertion order: most recent last
+            placed.append((chunk, buffer, fetched))
+        return placed
+
+    def clear(self):
+        self.resident.clear()
+
+
+def oracle_access_plan(block_chunks, n_persist, block, direction, pool):
+    wanted = [c for c in block_chunks[block] if c >= n_persist]
+    plan = [(wanted, ())]
+    if 0 <= block + direction < len(block_chunks):
+        missing = [c for c in block_chunks[block + direction]
+                   if c >= n_persist and c not in wanted and c not in pool.resident]
+        if missing and len(wanted) < pool.n_buffers:
+            plan.append(([missing[0]], tuple(wanted)))
+    return plan
+
+
+@contextlib.contextmanager
+def oracle_pool():
+    with unittest.mock.patch.object(M, "BufferPool", OraclePool), \
+            unittest.mock.patch.object(M, "access_plan", oracle_access_plan):
+        yield
+
+
 def setUpModule():  # one thread, as the demo's rank runs (no spinning on a loaded machine)
     torch.set_num_threads(1)
 
@@ -33,20 +84,8 @@ def tearDownModule():
     torch.set_num_threads(_THREADS)
 
 
-class TestChunks(unittest.TestCase):
-    def test_packing_keeps_order_and_never_straddles(self):
-        model = M.make_offload_model(CONFIG, 0)
-        slots, used = M.pack_chunks(model.layers, CONFIG["chunk_numel"])
-        self.assertEqual(sum(used), sum(p.numel() for p in model.layers.parameters()))
-        self.assertTrue(all(0 < u <= CONFIG["chunk_numel"] for u in used))
-        for before, after in zip(slots, slots[1:]):
-            self.assertTrue((after.chunk, after.offset) == (before.chunk, before.offset + before.numel)
-                            or (after.chunk == before.chunk + 1 and after.offset == 0))
-
-    def test_a_parameter_larger_than_a_chunk_is_refused(self):
-        with self.assertRaisesRegex(ValueError, "does not fit in a chunk"):
-            M.pack_chunks(M.make_offload_model(CONFIG, 0).layers, 1000)
-
+@exercise("buffer-pool")
+class TestBufferPool(unittest.TestCase):
     def test_lru_pool(self):
         pool = M.BufferPool(2)
         self.assertEqual([f for _, _, f in pool.acquire([5])], [True])
@@ -66,25 +105,94 @@ class TestChunks(unittest.TestCase):
         self.assertEqual(set(pool.resident), {1, 3})
         self.assertEqual(placed, [(3, 1, True)])
 
+    def test_access_plan_prefetches_the_next_blocks_first_missing_chunk(self):
+        block_chunks = [[0], [1, 2], [3]]
+        pool = M.BufferPool(3)
+        self.assertEqual(M.access_plan(block_chunks, 0, 0, 1, pool), [([0], ()), ([1], (0,))])
+        self.assertEqual(M.access_plan(block_chunks, 0, 2, -1, pool), [([3], ()), ([1], (3,))])
+        self.assertEqual(M.access_plan(block_chunks, 0, 2, 1, pool), [([3], ())])  # no next block
+        self.assertEqual(M.access_plan(block_chunks, 2, 1, 1, pool), [([2], ()), ([3], (2,))])
+        self.assertEqual(M.access_plan(block_chunks, 4, 1, 1, pool), [([], ())])  # all persistent
+        pool.acquire([1])
+        self.assertEqual(M.access_plan(block_chunks, 0, 0, 1, pool), [([0], ()), ([2], (0,))])
+        full = M.BufferPool(1)  # no room to prefetch next to the block's own chunk
+        self.assertEqual(M.access_plan(block_chunks, 0, 0, 1, full), [([0], ())])
 
-class TestTraining(unittest.TestCase):
+
+class TestChunks(unittest.TestCase):
+    def test_packing_keeps_order_and_never_straddles(self):
+        model = M.make_offload_model(CONFIG, 0)
+        slots, used = M.pack_chunks(model.layers, CONFIG["chunk_numel"])
+        self.assertEqual(sum(used), sum(p.numel() for p in model.layers.parameters()))
+        self.assertTrue(all(0 < u <= CONFIG["chunk_numel"] for u in used))
+        for before, after in zip(slots, slots[1:]):
+            self.assertTrue((after.chunk, after.offset) == (before.chunk, before.offset + before.numel)
+                            or (after.chunk == before.chunk + 1 and after.offset == 0))
+
+    def test_a_parameter_larger_than_a_chunk_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "does not fit in a chunk"):
+            M.pack_chunks(M.make_offload_model(CONFIG, 0).layers, 1000)
+
+
+@exercise("chunk-manager")
+class TestChunkManager(unittest.TestCase):
+    """On the oracle pool and prefetch plan: only fetch_block, _pack and _unpack are graded."""
+
     def test_offloaded_and_recomputed_equal_plain_bitwise(self):
         reference = C.train_plain(CONFIG, 3, 1)
         for candidate in (M.OffloadConfig(0, 0), M.OffloadConfig(1, 2), M.OffloadConfig(0, 3)):
-            with self.subTest(offload=candidate):
+            with self.subTest(offload=candidate), oracle_pool():
                 run = C.train_offloaded(CONFIG, candidate, 3, 1)
                 self.assertEqual(run["losses"], reference["losses"])
                 for a, b in zip(run["weights"], reference["weights"]):
                     self.assertTrue(torch.equal(a, b))
 
+    def test_saved_weights_are_packed_as_chunk_references(self):
+        with oracle_pool():
+            model = M.make_offload_model(CONFIG, 1)
+            manager = M.ChunkManager(model, M.OffloadConfig(0, 0), CONFIG["chunk_numel"])
+            manager.fetch_block(1)
+            slot = next(s for s in manager.slots if s.block == 1 and s.param.dim() == 2)
+            weight_t = slot.param.t()  # a strided view into the chunk buffer, as Linear saves it
+            chunk, buffer = slot.chunk, manager.chunk_in_buffer[slot.chunk]
+            self.assertTrue(torch.equal(slot.param, manager.flat[chunk][slot.offset:slot.offset
+                                                                        + slot.numel].view(slot.shape)))
+            packed = manager._pack(weight_t)
+            self.assertEqual(packed, (chunk, weight_t.shape, weight_t.stride(), weight_t.storage_offset()))
+            other = torch.randn(3)
+            self.assertIs(manager._pack(other), other)
+            self.assertIs(manager._unpack(other), other)
+            self.assertTrue(torch.equal(manager._unpack(packed), weight_t))
+            manager.buffers[buffer].zero_()  # the buffer's contents are what _unpack returns
+            self.assertEqual(float(manager._unpack(packed).abs().sum()), 0.0)
+            del manager.chunk_in_buffer[chunk]
+            with self.assertRaisesRegex(RuntimeError, f"chunk {chunk} is needed in backward"):
+                manager._unpack(packed)
+
+    def test_fetches_follow_the_plan_in_both_directions(self):
+        with oracle_pool():
+            model = M.make_offload_model(CONFIG, 1)
+            config = M.OffloadConfig(0, 1)
+            manager = M.ChunkManager(model, config, CONFIG["chunk_numel"])
+            profile = M.Profile(manager.used, manager.block_chunks, CONFIG["chunk_numel"], 0, 0, 0, 0)
+            expected = M.count_fetches(profile, config)  # the oracle pool, forward then backward
+            calls = []
+            original = manager.pool.acquire
+            manager.pool.acquire = lambda chunks, keep=(): calls.append((list(chunks), keep)) or \
+                original(chunks, keep)
+            manager.step(*C.offload_batches(CONFIG, 1, 1)[0])
+            self.assertEqual(manager.pool.fetches, expected)
+            self.assertTrue(any(keep for _, keep in calls), "nothing was prefetched")
+
     def test_a_stale_resident_copy_would_be_caught(self):
         """Skip the invalidation after the host step: the next forward uses old weights."""
-        model = M.make_offload_model(CONFIG, 1)
-        manager = M.ChunkManager(model, M.OffloadConfig(0, 0), CONFIG["chunk_numel"])
-        batches = C.offload_batches(CONFIG, 3, 1)
-        manager.pool.clear = lambda: None  # the bug: the pool still believes its copies are fresh
-        manager.step(*batches[0])
-        stale = manager.step(*batches[1])
+        with oracle_pool():
+            model = M.make_offload_model(CONFIG, 1)
+            manager = M.ChunkManager(model, M.OffloadConfig(0, 0), CONFIG["chunk_numel"])
+            batches = C.offload_batches(CONFIG, 3, 1)
+            manager.pool.clear = lambda: None  # the bug: the pool still believes its copies are fresh
+            manager.step(*batches[0])
+            stale = manager.step(*batches[1])
         reference = C.train_plain(CONFIG, 2, 1)["losses"][1]
         self.assertNotEqual(stale, reference)
 
@@ -107,6 +215,36 @@ class TestCostModel(unittest.TestCase):
                 self.assertLessEqual(abs(predicted - run["peak_bytes"]) / run["peak_bytes"], 0.10)
                 self.assertEqual(run["fetches"], M.count_fetches(self.profile, candidate))
 
+    def test_the_real_planner_on_the_measured_profile(self):
+        plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
+        roomy = M.required_budget(self.profile, plain)
+        self.assertEqual(M.plan(self.profile, roomy), plain)
+
+    def test_recomputation_and_copies_only_add_time(self):
+        base = M.predict_time(self.profile, M.OffloadConfig(len(self.profile.chunk_used), 0))
+        for candidate in M.all_configs(self.profile):
+            self.assertGreaterEqual(M.predict_time(self.profile, candidate), base)
+
+
+@exercise("planner")
+class TestPlanner(unittest.TestCase):
+    """On a profile written by hand: three blocks, one chunk each, copies and recomputation cost
+    time, so the planner keeps as much on the device as the budget allows."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.profile = M.Profile([1000, 1000, 1000], [[0], [1], [2]], 1000, 500, 200,
+                                act_block=6000, act_input=400, forward_extra=300, backward_extra=700,
+                                step_extra=50, t_plain_step=1.0, t_forward_block=0.1,
+                                t_h2d_per_byte=1e-5, t_d2h_per_byte=1e-5, t_adam_device=1e-6,
+                                t_adam_host=1e-5)
+
+    def test_required_budget(self):
+        for candidate in M.all_configs(self.profile):
+            peak = M.predict_peak(self.profile, candidate)
+            self.assertEqual(M.required_budget(self.profile, candidate), math.ceil(1.1 * peak))
+            self.assertEqual(M.required_budget(self.profile, candidate, safety=1.0), peak)
+
     def test_planner(self):
         plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
         roomy = M.required_budget(self.profile, plain)
@@ -115,7 +253,7 @@ class TestCostModel(unittest.TestCase):
         self.assertLessEqual(M.required_budget(self.profile, M.plan(self.profile, smallest)), smallest)
         with self.assertRaisesRegex(M.BudgetError, f"smallest feasible budget is {smallest:,} bytes"):
             M.plan(self.profile, smallest - 1)
-        for budget in (smallest, (smallest + roomy) // 2):
+        for budget in [smallest, (smallest + roomy) // 2, *range(24_000, 90_000, 2_000)]:
             chosen = M.plan(self.profile, budget)
             fitting = [c for c in M.all_configs(self.profile)
                        if M.required_budget(self.profile, c) <= budget]
@@ -123,16 +261,14 @@ class TestCostModel(unittest.TestCase):
                              min(M.predict_time(self.profile, c) for c in fitting))
 
     def test_the_safety_factor_leaves_a_margin(self):
+        for budget in range(60_000, 90_000, 1_000):
+            chosen = M.plan(self.profile, budget)
+            self.assertLessEqual(math.ceil(1.1 * M.predict_peak(self.profile, chosen)), budget)
         plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
         peak = M.predict_peak(self.profile, plain)
         self.assertNotEqual(M.plan(self.profile, peak), plain)  # a peak equal to the budget: no
         self.assertEqual(M.plan(self.profile, peak, safety=1.0), plain)  # ... unless asked for
         self.assertTrue(1.1 * peak <= M.required_budget(self.profile, plain) < 1.1 * peak + 1)
-
-    def test_recomputation_and_copies_only_add_time(self):
-        base = M.predict_time(self.profile, M.OffloadConfig(len(self.profile.chunk_used), 0))
-        for candidate in M.all_configs(self.profile):
-            self.assertGreaterEqual(M.predict_time(self.profile, candidate), base)
 
 
 class TestDocNumbers(unittest.TestCase):
