@@ -50,6 +50,7 @@ def catalog_problems(catalog: dict) -> list[str]:
         for prereq in lesson["prerequisites"]:
             if prereq not in ids[:index]:
                 problems.append(f"{where}.prerequisites: {prereq!r} is not an earlier lesson")
+        problems += exercise_problems(lesson, where)
         quiz_path = REPO_ROOT / lesson["paths"]["quiz"]
         if quiz_path.exists():
             try:
@@ -67,6 +68,37 @@ def catalog_problems(catalog: dict) -> list[str]:
     for folder in sorted(listed - on_disk):
         problems.append(f"catalog.json: $.lessons: {folder} is listed but missing")
     return problems
+
+
+def exercise_problems(lesson: dict, where: str) -> list[str]:
+    """The catalog's exercises of a lesson must be the ones marked in its main.py (id, title,
+    points, in order)."""
+    from lessons._exercises import ExerciseError, lesson_exercises
+
+    try:
+        marked = [{"id": e.id, "title": e.title, "points": e.points}
+                  for e in lesson_exercises(REPO_ROOT / lesson["folder"])]
+    except ExerciseError as exc:
+        return [f"{where}.exercises: {exc}"]
+    listed = lesson.get("exercises", [])
+    if listed != marked:
+        return [f"{where}.exercises: {[e['id'] for e in listed]} but main.py marks "
+                f"{[e['id'] for e in marked]} (ids, titles and points must match)"]
+    return []
+
+
+def sync_exercises(catalog: dict) -> dict:
+    """The catalog with each lesson's exercises taken from its main.py markers."""
+    from lessons._exercises import lesson_exercises
+
+    for lesson in catalog["lessons"]:
+        marked = [{"id": e.id, "title": e.title, "points": e.points}
+                  for e in lesson_exercises(REPO_ROOT / lesson["folder"])]
+        if marked:
+            lesson["exercises"] = marked
+        else:
+            lesson.pop("exercises", None)
+    return catalog
 
 
 def load_catalog() -> dict:

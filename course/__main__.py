@@ -270,19 +270,25 @@ def gpu_suite(keys: list[str], timeout: float, notebooks: bool) -> int:
     return 2 if "blocked" in outcomes else 0
 
 
-def check_catalog() -> int:
+def check_catalog(sync: bool = False) -> int:
     try:
         catalog = json.loads((REPO_ROOT / "catalog.json").read_text())
     except (OSError, ValueError) as exc:
         print(f"catalog.json: $: {exc}")
         return 1
+    if sync:
+        from course import sync_exercises
+        catalog = sync_exercises(catalog)
+        (REPO_ROOT / "catalog.json").write_text(json.dumps(catalog, indent=2, ensure_ascii=False) + "\n")
     problems = catalog_problems(catalog)
     for problem in problems:
         print(problem)
     if not problems:
         for lesson in catalog["lessons"]:
+            exercises = lesson.get("exercises", [])
+            points = sum(e["points"] for e in exercises)
             print(f"{lesson['id']}  {lesson['title']}  ({lesson['minutes']} min, "
-                  f"{lesson['questions']} questions)")
+                  f"{lesson['questions']} questions, {len(exercises)} exercises, {points} points)")
     return 1 if problems else 0
 
 
@@ -309,7 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     exercise_parser.add_argument("--out", type=Path, metavar="DIR",
                                  help="where (default workspace/NN_slug; refuses a folder with files)")
     exercise_parser.add_argument("--exercise", metavar="ID", help="stub only this exercise")
-    sub.add_parser("catalog", help="validate catalog.json and list the lessons")
+    catalog_parser = sub.add_parser("catalog", help="validate catalog.json and list the lessons")
+    catalog_parser.add_argument("--sync-exercises", action="store_true",
+                                help="first copy each lesson's exercises from its main.py markers")
     gpu_parser = sub.add_parser("gpu", help="the GPU suite: every lesson with --device cuda, and "
                                             "every notebook, on the GPUs present")
     gpu_parser.add_argument("ids", nargs="*", help="lesson ids; default all")
@@ -341,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             print(f"{len(pages)} pages written to {args.out}; open {args.out / 'index.html'}")
             return 0
-        return check_catalog()
+        return check_catalog(args.sync_exercises)
     except CatalogError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -40,6 +40,14 @@ class TestCatalog(unittest.TestCase):
         self.assertIn("questions:", problems)
         self.assertIn("'99' is not an earlier lesson", problems)
 
+    def test_listed_exercises_must_match_the_markers(self):
+        broken = copy.deepcopy(catalog())
+        lesson = next(item for item in broken["lessons"] if item.get("exercises"))
+        lesson["exercises"][0]["points"] += 1
+        problems = "\n".join(catalog_problems(broken))
+        self.assertIn(".exercises:", problems)
+        self.assertIn("must match", problems)
+
     def test_a_listed_folder_that_does_not_exist_is_reported(self):
         broken = copy.deepcopy(catalog())
         ghost = copy.deepcopy(broken["lessons"][-1])
