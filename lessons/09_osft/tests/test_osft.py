@@ -266,7 +266,7 @@ class TestSharded(unittest.TestCase):
         self.assertTrue(torch.equal(torch.cat([M.chunk_rows(rows, r, 4) for r in range(4)]), rows))
 
     def test_every_sharded_check_on_1_2_5_ranks(self):  # 4 ranks: TestDocNumbers and the demo
-        results = {world: launch(W.sharded, world, device="cpu", timeout_s=120) for world in (1, 2, 5)}
+        results = {world: launch(W.sharded, world, device="cpu", timeout_s=45) for world in (1, 2, 5)}
         assert_every_check_passes(self, results)
         self.assertGreater(results[2][0]["metrics"]["v_wrong_gap"], 1e-3)
 
@@ -287,7 +287,7 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"**{C.train_orthogonal(300, False, 0)['orthogonality_error']:.2f}**", self.readme)
 
     def test_wrong_v_gap_on_4_ranks(self):
-        results = launch(W.sharded, 4, device="cpu", timeout_s=120)
+        results = launch(W.sharded, 4, device="cpu", timeout_s=45)
         assert_every_check_passes(self, {4: results})
         self.assertIn(f"off by **{results[0]['metrics']['v_wrong_gap']:.1f}**", self.readme)
 
