@@ -36,15 +36,25 @@ import torch.nn as nn
 # ============================================================================ 1. the SVD split
 
 
+# exercise svd-split (2 points): The SVD split: top-k frozen, the rest trainable
+# hint: k = min(floor(min(N, M) x ratio), min(N, M) - 1); torch.linalg.svd(full_matrices=False)
+#   returns U, S and V^T (rows): slice columns of U, entries of S, rows of V^T at k.
 def frozen_rank(n_rows: int, n_cols: int, rank_ratio: float) -> int:
-    """k = floor(min(N, M) x rank_ratio), capped at min(N, M) - 1 so something stays trainable."""
+    """k = floor(min(N, M) x rank_ratio), capped at min(N, M) - 1 so something stays trainable.
+    frozen_rank(24, 16, 0.5) == 8; frozen_rank(24, 16, 1.0) == 15; frozen_rank(10, 7, 0.0) == 0."""
     smallest = min(n_rows, n_cols)
     return min(int(math.floor(smallest * rank_ratio)), smallest - 1)
 
 
+# exercise svd-split (continued)
 def svd_split(weight: torch.Tensor, rank_ratio: float) -> dict[str, torch.Tensor]:
     """W (N x M) -> U_high (N x k), S_high (k), V_high (k x M, rows), and the low parts with the
-    remaining r = min(N, M) - k directions. The SVD runs in float64 here, fp32 in production."""
+    remaining r = min(N, M) - k directions. The SVD runs in float64 here, fp32 in production.
+
+    Returns {"U_high", "S_high", "V_high", "U_low", "S_low", "V_low"} in weight's dtype, with
+    k = `frozen_rank(N, M, rank_ratio)`, singular values in descending order (so S_high >=
+    S_low entrywise), orthonormal columns of U and rows of V, and
+    (U_high * S_high) @ V_high + (U_low * S_low) @ V_low == W (to rounding)."""
     u, s, vh = torch.linalg.svd(weight.double(), full_matrices=False)
     k = frozen_rank(*weight.shape, rank_ratio)
     dtype = weight.dtype
@@ -64,6 +74,9 @@ def osft_forward_naive(x, U_high, S_high, V_high, U_low, S_low, V_low, bias):
     return out if bias is None else out + bias
 
 
+# exercise fused-forward (2 points): The fused forward: one output, addmm then addmm_
+# hint: x2 = x.reshape(-1, M); out = (x2 V_high^T * S_high) U_high^T, with torch.addmm when
+#   there is a bias; then out.addmm_(x2 V_low^T * S_low, U_low^T); view back to (..., N).
 def osft_forward_fused(x, U_high, S_high, V_high, U_low, S_low, V_low, bias):
     """The same y with one (T, N) output tensor instead of three.
 
@@ -111,17 +124,24 @@ class OSFTLinear(nn.Module):
 # ============================================================================ 3. projections
 
 
+# exercise projections (3 points): Project onto the complement: Gram form, then factored form
+# hint: U side: subtract U_high (U_high^T dU), U_high on the left; V side (rows): subtract
+#   (dV V_high^T) V_high, V_high on the right. Gram forms build U_high U_high^T / V_high^T V_high.
 def project_u_gram(d_u: torch.Tensor, u_high: torch.Tensor) -> torch.Tensor:
-    """dU - (U_high U_high^T) dU: builds an N x N matrix (2N^2 k_h FLOPs, then 2N^2 k_l)."""
+    """dU - (U_high U_high^T) dU: builds an N x N matrix (2N^2 k_h FLOPs, then 2N^2 k_l).
+    d_u (N, k_l), u_high (N, k_h) with orthonormal columns -> a new (N, k_l) tensor."""
     return d_u - (u_high @ u_high.T) @ d_u
 
 
+# exercise projections (continued)
 def project_v_gram(d_v: torch.Tensor, v_high: torch.Tensor) -> torch.Tensor:
     """dV - dV (V_high^T V_high): builds an M x M matrix. V_high is frozen, so this Gram matrix
-    could be computed once and cached (M^2 numbers kept per module)."""
+    could be computed once and cached (M^2 numbers kept per module).
+    d_v (k_l, M), v_high (k_h, M) with orthonormal rows -> a new (k_l, M) tensor."""
     return d_v - d_v @ (v_high.T @ v_high)
 
 
+# exercise projections (continued)
 def project_u_factored(d_u: torch.Tensor, u_high: torch.Tensor) -> torch.Tensor:
     """Remove from dU its component in the column span of U_high.
 
@@ -132,6 +152,7 @@ def project_u_factored(d_u: torch.Tensor, u_high: torch.Tensor) -> torch.Tensor:
     return d_u - u_high @ (u_high.T @ d_u)
 
 
+# exercise projections (continued)
 def project_v_factored(d_v: torch.Tensor, v_high: torch.Tensor) -> torch.Tensor:
     """Remove from dV's rows their component in the row span of V_high (V stored row-wise).
 
@@ -183,8 +204,18 @@ class Collectives:
         dist.all_reduce(tensor)
         return tensor
 
+    # exercise sharded-v (4 points): The sharded V side: all-gather V_high, not all-reduce
+    # hint: the contraction over M is complete on every rank, so nothing is a partial sum:
+    #   gather V_high's k_h rows (pad to ceil(k_h / p), dist.all_gather, cat, trim), then
+    #   project the local rows of dV with the whole V_high.
     def all_gather_rows(self, local: torch.Tensor, total_rows: int) -> torch.Tensor:
-        """Every rank's dim-0 chunk, concatenated: pad to the chunk size, gather, trim."""
+        """Every rank's dim-0 chunk, concatenated: pad to the chunk size, gather, trim.
+
+        local (n_r, ...): this rank's `chunk_rows` chunk of a (total_rows, ...) tensor (n_r may
+        be 0; torch.chunk semantics: chunks of ceil(total_rows / p) rows, trailing ones shorter
+        or empty). dist.all_gather needs equal shapes, so pad every chunk to ceil(total_rows / p)
+        rows, gather, concatenate in rank order and drop the padding: returns the whole
+        (total_rows, ...) tensor on every rank. Counts one all-gather in `self.all_gathers`."""
         self.all_gathers += 1
         world = dist.get_world_size()
         chunk = -(-total_rows // world)
@@ -195,17 +226,22 @@ class Collectives:
         return torch.cat(pieces)[:total_rows]
 
 
+# exercise sharded-u (3 points): The sharded U side: all-reduce the partial coefficients (batched)
+# hint: U_high_local^T dU_local is a partial sum over this rank's rows: comm.all_reduce it, then
+#   project the local rows. Batched: flatten + torch.cat, one all-reduce, split in the same order.
 def sharded_project_u(d_u_local: torch.Tensor, u_high_local: torch.Tensor, comm: Collectives) -> torch.Tensor:
     """`project_u_factored` with the N rows of dU and U_high split across p ranks.
 
     d_u_local (n_r, k_l), u_high_local (n_r, k_h): this rank's rows (n_r may be 0). The
     contraction U_high^T dU runs over N, the sharded dimension, so each rank's
     U_high_local^T dU_local (k_h, k_l) is a partial sum: one all-reduce (k_h k_l numbers) gives
-    every rank the full coefficients. Returns this rank's rows of the projected dU, (n_r, k_l)."""
+    every rank the full coefficients. Returns this rank's rows of the projected dU, (n_r, k_l).
+    Uses `comm.all_reduce` (counted) exactly once, on every rank, even when n_r = 0."""
     coefficients = comm.all_reduce(u_high_local.T @ d_u_local)
     return d_u_local - u_high_local @ coefficients
 
 
+# exercise sharded-u (continued)
 def sharded_project_u_batched(pairs: list[tuple[torch.Tensor, torch.Tensor]],
                               comm: Collectives) -> list[torch.Tensor]:
     """`sharded_project_u` for many modules with ONE all-reduce.
@@ -215,7 +251,7 @@ def sharded_project_u_batched(pairs: list[tuple[torch.Tensor, torch.Tensor]],
     flatten and concatenate them (sum of k_h k_l numbers), all-reduce once, split back in the
     same order and project each module's rows. Returns the projected rows, one per module,
     equal to calling `sharded_project_u` per module. Same bytes; one collective's latency
-    instead of one per module (224 per step for Llama-8B)."""
+    instead of one per module (224 per step for Llama-8B). Exactly one `comm.all_reduce`."""
     partials = [u_high.T @ d_u for d_u, u_high in pairs]
     flat = comm.all_reduce(torch.cat([p.reshape(-1) for p in partials]))
     out, start = [], 0
@@ -241,6 +277,7 @@ def sharded_project_v_wrong(d_v_local: torch.Tensor, v_high_local: torch.Tensor,
     return d_v_local - mixed @ v_high_local
 
 
+# exercise sharded-v (continued)
 def sharded_project_v(d_v_local: torch.Tensor, v_high_local: torch.Tensor, comm: Collectives,
                       k_high: int) -> torch.Tensor:
     """`project_v_factored` with the rows (singular directions) of dV and V_high split.
@@ -248,7 +285,9 @@ def sharded_project_v(d_v_local: torch.Tensor, v_high_local: torch.Tensor, comm:
     d_v_local (l_r, M), v_high_local (h_r, M): this rank's rows; M is whole on every rank.
     This rank's rows of the projection need dV_local V_high^T with ALL k_h rows of V_high, so
     all-gather V_high (k_h M numbers; V_high is frozen, so the gathered copy could be cached
-    across steps), then project locally. Returns (l_r, M)."""
+    across steps), then project locally. Returns (l_r, M). One `comm.all_gather_rows`, no
+    all-reduce (each rank's dV_local V_high_local^T is a different BLOCK of the coefficients,
+    not a partial sum: summing blocks is the bug `sharded_project_v_wrong` shows)."""
     v_high = comm.all_gather_rows(v_high_local, k_high)
     return d_v_local - (d_v_local @ v_high.T) @ v_high
 

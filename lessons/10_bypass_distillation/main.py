@@ -151,6 +151,9 @@ def teacher_block_params(hidden: int) -> int:
 # ============================================================================ 3. the block loss
 
 
+# exercise block-loss (2 points): The normalised block losses
+# hint: divide by the TEACHER's energy, sum(t^2) (or sum((t - x)^2)), never the student's; add
+#   EPS to the denominator so a zero target cannot divide by zero.
 def normalized_mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The per-block distillation loss: sum((y - t)^2) / (sum(t^2) + eps).
 
@@ -163,9 +166,11 @@ def normalized_mse(y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return (y - t).pow(2).sum() / (t.pow(2).sum() + EPS)
 
 
+# exercise block-loss (continued)
 def block_change_mse(y: torch.Tensor, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """sum((y - t)^2) / (sum((t - x)^2) + eps): the error relative to what the teacher block
-    changes (x its input): 0 perfect, 1 as bad as skipping the block, at every depth."""
+    changes (x its input): 0 perfect, 1 as bad as skipping the block, at every depth.
+    y, x, t: equal shapes; returns a 0-d tensor, differentiable in y (eps = EPS)."""
     return (y - t).pow(2).sum() / ((t - x).pow(2).sum() + EPS)
 
 
@@ -183,6 +188,9 @@ class RunConfig:
     save_every: int = 20
     teacher: TeacherConfig = TeacherConfig()
 
+    # exercise resumable-block (4 points): The resumable block run: fingerprint, checkpoint, resume
+    # hint: fingerprint every field (lessons._checks.fingerprint of the whole dataclass); resume
+    #   = load block, optimizer AND scheduler states and continue at the saved step, not at 0.
     def fingerprint(self) -> str:
         """The run's directory name: sha256 of the canonical JSON of every field, the teacher's
         included (16 hex digits). A changed setting is a new run."""
@@ -196,6 +204,9 @@ def initial_block(run: RunConfig, teacher: memory.TinyGPT, index: int) -> nn.Mod
     return make_student_block(run.kind, teacher.layers[index], run.teacher.hidden, run.teacher.heads)
 
 
+# exercise distill-step (3 points): One block's distillation step, alone
+# hint: loss = normalized_mse(block(x), t); zero the gradients BEFORE backward, then
+#   optimizer.step() and scheduler.step(); return float(loss).
 def distill_step(block: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
                  x: torch.Tensor, t: torch.Tensor) -> float:
     """One training step of one student block, alone.
@@ -203,7 +214,9 @@ def distill_step(block: nn.Module, optimizer: torch.optim.Optimizer, scheduler,
     x: the teacher's input of this block, t: the teacher block's output (both (s, b, h), no
     gradient). Forward the block on x, loss = `normalized_mse`(block(x), t), backward (the
     gradient reaches this block's parameters only), optimizer step, scheduler step. Returns
-    the loss as a float. No communication: nothing here depends on another block."""
+    the loss as a float. No communication: nothing here depends on another block.
+    Mutates the block's parameters (and their .grad), the optimizer's and the scheduler's
+    state (one step each); x and t are read, never changed."""
     loss = normalized_mse(block(x), t)
     optimizer.zero_grad()
     loss.backward()
@@ -248,6 +261,7 @@ def load_block(directory: Path) -> dict | None:
         raise checkpointing.CheckpointError(f"{path}: unreadable checkpoint ({exc})") from exc
 
 
+# exercise resumable-block (continued)
 def train_block(run: RunConfig, run_dir: Path, index: int, teacher: memory.TinyGPT,
                 teacher_io: Callable[[int], list[torch.Tensor]] | None = None,
                 after_step: Callable[[int], None] | None = None) -> dict:
@@ -262,7 +276,9 @@ def train_block(run: RunConfig, run_dir: Path, index: int, teacher: memory.TinyG
     losses), losses, sha256 (tensor_digest of the block)}. `after_step(step)` runs after each
     step, before its save (the checks kill runs there). Because the checkpoint holds every
     state that shapes later steps and each batch depends only on its step, a run killed at any
-    point and resumed ends bitwise equal to an uninterrupted one (on the same machine)."""
+    point and resumed ends bitwise equal to an uninterrupted one (on the same machine).
+    Returns {"block": index, "status": "trained", "resumed_from": the step it started at (0 for
+    a fresh run), "final_loss", "losses" (every step's, the loaded ones included), "sha256"}."""
     directory = block_dir(run_dir, index)
     if (directory / "done.json").exists():
         return {"block": index, "status": "skipped", **json.loads((directory / "done.json").read_text())}

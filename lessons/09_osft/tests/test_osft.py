@@ -1,7 +1,12 @@
 """Lesson 09's suite: the SVD split, naive vs fused forward, Gram vs factored projections,
 orthogonality under Adam, the sharded U and V sides on 1, 2, 4 and 5 ranks, the forgetting
 demo (right and wrong V projection), the cost model, the CLI, torchrun, and the README's
-numbers (TestDocNumbers)."""
+numbers (TestDocNumbers).
+
+Learner mode: the tests tagged `@exercise(...)` grade one exercise of main.py each, on inputs
+and truths built here with plain torch (orthonormal factors from a QR, the dense layer), so a
+wrong piece fails its own exercise and not the others; the untagged tests (the checks of the
+demo, the docs' numbers, the CLI) are the "integration" criterion."""
 
 from __future__ import annotations
 
@@ -14,7 +19,12 @@ import torch.nn as nn
 
 from lessons._checks import max_abs_diff
 from lessons._launch import launch
-from lessons._testing import assert_argument_error, assert_every_check_passes, run_under_torchrun
+from lessons._testing import (
+    assert_argument_error,
+    assert_every_check_passes,
+    exercise,
+    run_under_torchrun,
+)
 
 M = importlib.import_module("lessons.09_osft.main")
 C = importlib.import_module("lessons.09_osft.checks")
@@ -22,12 +32,31 @@ W = importlib.import_module("lessons.09_osft.tests.workers")
 README = Path(M.__file__).with_name("README.md")
 
 
+def orthonormal(rows: int, cols: int, seed: int) -> torch.Tensor:
+    """(rows, cols) float64 with orthonormal columns (a QR of a random matrix)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(rows, cols, generator=generator, dtype=torch.float64))[0]
+
+
+def factors(n_rows: int, n_cols: int, k_high: int, seed: int = 0, bias: bool = True):
+    """A dense float64 weight (N, M), its SVD cut at k_high in the order the kernels take, and a
+    bias (or None): made here with torch.linalg.svd, not with the learner's svd_split."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n_rows, n_cols, generator=generator, dtype=torch.float64)
+    u, s, vh = torch.linalg.svd(weight, full_matrices=False)
+    b = torch.randn(n_rows, generator=generator, dtype=torch.float64) if bias else None
+    return weight, [u[:, :k_high], s[:k_high], vh[:k_high], u[:, k_high:], s[k_high:], vh[k_high:], b]
+
+
+@exercise("svd-split")
 class TestSplit(unittest.TestCase):
     def test_rank_ratio_semantics(self):
         self.assertEqual(M.frozen_rank(24, 16, 0.5), 8)
         self.assertEqual(M.frozen_rank(24, 16, 0.99), 15)  # floor(15.84)
         self.assertEqual(M.frozen_rank(24, 16, 1.0), 15)  # capped: one direction stays trainable
         self.assertEqual(M.frozen_rank(10, 7, 0.0), 0)
+        self.assertEqual(M.frozen_rank(5, 9, 1.0), 4)  # capped at min(N, M) - 1, here with N < M
+        self.assertEqual(M.frozen_rank(9, 5, 0.95), 4)  # floor(4.75)
 
     def test_split_reconstructs_and_is_orthonormal(self):
         weight = torch.randn(9, 6, dtype=torch.float64)
@@ -38,10 +67,93 @@ class TestSplit(unittest.TestCase):
             (parts["U_low"] * parts["S_low"]) @ parts["V_low"]
         self.assertLess(max_abs_diff(rebuilt, weight), C.TOLERANCE)
         self.assertTrue(bool(parts["S_high"].min() >= parts["S_low"].max()))
+        eye = torch.eye(6, dtype=torch.float64)
+        u = torch.cat([parts["U_high"], parts["U_low"]], dim=1)
+        v = torch.cat([parts["V_high"], parts["V_low"]], dim=0)
+        self.assertLess(max_abs_diff(u.T @ u, eye), C.TOLERANCE)
+        self.assertLess(max_abs_diff(v @ v.T, eye), C.TOLERANCE)
+
+    def test_split_at_full_rank_keeps_one_trainable_direction(self):
+        parts = M.svd_split(torch.randn(5, 8, dtype=torch.float64), 1.0)
+        self.assertEqual({k: tuple(v.shape) for k, v in parts.items()},
+                         {"U_high": (5, 4), "S_high": (4,), "V_high": (4, 8),
+                          "U_low": (5, 1), "S_low": (1,), "V_low": (1, 8)})
+        self.assertEqual(M.svd_split(torch.randn(4, 3), 0.5)["U_high"].dtype, torch.float32)
 
     def test_frozen_parts_are_not_parameters(self):
         layer = M.OSFTLinear(nn.Linear(6, 9), 0.5)
         self.assertEqual({n for n, _ in layer.named_parameters()}, {"U_low", "S_low", "V_low", "bias"})
+
+
+@exercise("fused-forward")
+class TestFusedForward(unittest.TestCase):
+    """`osft_forward_fused` against the dense layer x W^T + b and against the naive forward
+    (output and every gradient), with and without a bias, on 1-, 2- and 3-D inputs."""
+
+    def setUp(self):
+        torch.manual_seed(0)
+
+    def test_equals_the_dense_layer(self):
+        for bias in (True, False):
+            for shape in ((7, 10), (2, 3, 10), (10,)):
+                with self.subTest(bias=bias, shape=shape):
+                    weight, args = factors(6, 10, 2, bias=bias)
+                    x = torch.randn(*shape, dtype=torch.float64)
+                    want = x @ weight.T + (args[-1] if bias else 0)
+                    got = M.osft_forward_fused(x, *args)
+                    self.assertEqual(tuple(got.shape), tuple(want.shape))
+                    self.assertLess(max_abs_diff(got, want), C.TOLERANCE)
+
+    def test_gradients_equal_the_naive_forward(self):
+        _, args = factors(9, 5, 3, seed=1)
+        x = torch.randn(4, 5, dtype=torch.float64)
+        grads = []
+        for forward in (M.osft_forward_fused, M.osft_forward_naive):
+            leaves = [a.clone().requires_grad_(True) for a in [x, *args]]
+            forward(*leaves).sin().sum().backward()
+            grads.append([leaf.grad for leaf in leaves])
+        for index, (fused, naive) in enumerate(zip(*grads)):
+            with self.subTest(argument=index):
+                self.assertIsNotNone(fused)
+                self.assertLess(max_abs_diff(fused, naive), C.TOLERANCE)
+
+
+@exercise("projections")
+class TestProjections(unittest.TestCase):
+    """The four projections against dU - Q Q^T dU / dV - dV Q Q^T written here, on orthonormal
+    factors from a QR (k_h == k_l and k_h != k_l), and what they guarantee: the result is
+    orthogonal to the frozen span, and projecting twice changes nothing."""
+
+    def setUp(self):
+        torch.manual_seed(0)
+
+    CASES = [(12, 4, 4), (12, 5, 3), (10, 2, 7)]  # (N or M, k_high, k_low)
+
+    def test_u_side(self):
+        for n_rows, k_high, k_low in self.CASES:
+            u_high = orthonormal(n_rows, k_high, n_rows + k_high)
+            d_u = torch.randn(k_low, n_rows, dtype=torch.float64).T.contiguous()
+            want = d_u - u_high @ (u_high.T @ d_u)
+            for project in (M.project_u_gram, M.project_u_factored):
+                with self.subTest(project=project.__name__, shape=(n_rows, k_high, k_low)):
+                    got = project(d_u, u_high)
+                    self.assertEqual(tuple(got.shape), (n_rows, k_low))
+                    self.assertLess(max_abs_diff(got, want), C.TOLERANCE)
+                    self.assertLess(float((u_high.T @ got).abs().max()), C.TOLERANCE)
+                    self.assertLess(max_abs_diff(project(got, u_high), got), C.TOLERANCE)
+
+    def test_v_side(self):
+        for n_cols, k_high, k_low in self.CASES:
+            v_high = orthonormal(n_cols, k_high, n_cols * k_high).T  # orthonormal rows (k_h, M)
+            d_v = torch.randn(k_low, n_cols, dtype=torch.float64) + 3 * v_high[:1]  # in the frozen span too
+            want = d_v - (d_v @ v_high.T) @ v_high
+            for project in (M.project_v_gram, M.project_v_factored):
+                with self.subTest(project=project.__name__, shape=(n_cols, k_high, k_low)):
+                    got = project(d_v, v_high)
+                    self.assertEqual(tuple(got.shape), (k_low, n_cols))
+                    self.assertLess(max_abs_diff(got, want), C.TOLERANCE)
+                    self.assertLess(float((got @ v_high.T).abs().max()), C.TOLERANCE)
+                    self.assertLess(max_abs_diff(project(got, v_high), got), C.TOLERANCE)
 
 
 class TestKernels(unittest.TestCase):
@@ -51,7 +163,7 @@ class TestKernels(unittest.TestCase):
             with self.subTest(check=check.name):
                 self.assertTrue(check.passed, check.detail)
 
-    def test_fused_without_bias_and_3d_input(self):
+    def test_layer_fused_without_bias_and_3d_input(self):
         layer = nn.Linear(8, 5, bias=False).double()
         fused, naive = M.OSFTLinear(layer, 0.4), M.OSFTLinear(layer, 0.4, fused=False)
         x = torch.randn(2, 3, 8, dtype=torch.float64)
@@ -74,6 +186,52 @@ class TestKernels(unittest.TestCase):
         self.assertLess(max_abs_diff(once, M.project_v_factored(d_v, parts["V_high"])), C.TOLERANCE)
         wrong = C.all_reduced_v_projection(d_v, parts["V_high"], 4)
         self.assertGreater(float((wrong @ parts["V_high"].T).abs().max()), 1e-3)
+
+
+U_SHAPES = [(6, 3, 3), (9, 3, 4), (16, 6, 6)]  # (N, k_high, k_low): empty tail chunks on 5 ranks
+V_SHAPES = [(6, 6, 10), (3, 4, 7), (5, 2, 9)]  # (k_high, k_low, M)
+
+
+@exercise("sharded-u")
+class TestShardedU(unittest.TestCase):
+    """`sharded_project_u` and its batched form on 2 and 5 ranks (rows split with torch.chunk
+    semantics, empty tails on 5) against the one-process projection; one all-reduce per module,
+    ONE for the batch."""
+
+    def test_on_2_and_5_ranks(self):
+        for world in (2, 5):
+            results = launch(W.sharded_u, world, (U_SHAPES,), device="cpu", timeout_s=60)
+            for rank, result in enumerate(results):
+                with self.subTest(world=world, rank=rank):
+                    self.assertLess(max(result["gaps"]), C.TOLERANCE, "per module")
+                    self.assertEqual(result["per_module"], len(U_SHAPES), "all-reduces, one per module")
+                    self.assertEqual(result["batched_count"], len(U_SHAPES))
+                    self.assertLess(max(result["batch_gaps"]), C.TOLERANCE, "batched")
+                    self.assertEqual(result["batched_calls"], 1, "all-reduces for the whole batch")
+
+
+@exercise("sharded-v")
+class TestShardedV(unittest.TestCase):
+    """`Collectives.all_gather_rows` and `sharded_project_v` on 2 and 5 ranks against the
+    one-process projection. The V side must not all-reduce: on 2 ranks with equal blocks a
+    plain Collectives shows the numbers are wrong; with uneven blocks the test's Collectives
+    refuses all_reduce on every rank (an all-reduce of different shapes would hang gloo)."""
+
+    def check(self, results, shapes):
+        for rank, result in enumerate(results):
+            with self.subTest(world=len(results), rank=rank):
+                self.assertTrue(result["gather_ok"], "all_gather_rows: the whole tensor, in order")
+                self.assertEqual(result["gather_calls"], 1, "all_gather_rows counts one all-gather")
+                self.assertEqual(result["all_reduces"], 0, "the V side all-reduced")
+                self.assertLess(max(result["gaps"]), C.TOLERANCE)
+                self.assertEqual(result["all_gathers"], 1 + len(shapes))
+
+    def test_equal_blocks_on_2_ranks(self):
+        shapes = [(6, 6, 10), (4, 2, 8)]
+        self.check(launch(W.sharded_v, 2, (shapes, False), device="cpu", timeout_s=60), shapes)
+
+    def test_uneven_blocks_on_5_ranks(self):
+        self.check(launch(W.sharded_v, 5, (V_SHAPES, True), device="cpu", timeout_s=60), V_SHAPES)
 
 
 class TestCostModel(unittest.TestCase):
@@ -108,7 +266,7 @@ class TestSharded(unittest.TestCase):
         self.assertTrue(torch.equal(torch.cat([M.chunk_rows(rows, r, 4) for r in range(4)]), rows))
 
     def test_every_sharded_check_on_1_2_5_ranks(self):  # 4 ranks: TestDocNumbers and the demo
-        results = {world: launch(W.sharded, world, device="cpu", timeout_s=120) for world in (1, 2, 5)}
+        results = {world: launch(W.sharded, world, device="cpu", timeout_s=45) for world in (1, 2, 5)}
         assert_every_check_passes(self, results)
         self.assertGreater(results[2][0]["metrics"]["v_wrong_gap"], 1e-3)
 
@@ -129,7 +287,7 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"**{C.train_orthogonal(300, False, 0)['orthogonality_error']:.2f}**", self.readme)
 
     def test_wrong_v_gap_on_4_ranks(self):
-        results = launch(W.sharded, 4, device="cpu", timeout_s=120)
+        results = launch(W.sharded, 4, device="cpu", timeout_s=45)
         assert_every_check_passes(self, {4: results})
         self.assertIn(f"off by **{results[0]['metrics']['v_wrong_gap']:.1f}**", self.readme)
 
@@ -164,7 +322,7 @@ class TestCommandLine(unittest.TestCase):
         assert_argument_error(self, C.parse_args, ["--bench-size", "10"], "--bench-size")
         # no machine has 64 GPUs: --device cuda refuses with one line instead of running on the CPU
         assert_argument_error(self, C.parse_args, ["--device", "cuda", "--world-size", "64"],
-                              "--device cuda needs 64 GPU(s)")
+                              "needs 64 GPU(s)")
 
     def test_under_torchrun(self):
         report = run_under_torchrun(Path(M.__file__), ["--quick", "--timeout", "120"], nproc_per_node=2)

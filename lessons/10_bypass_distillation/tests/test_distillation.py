@@ -1,6 +1,12 @@
 """Lesson 10's suite: fingerprints, the block losses and students, the teacher's cost per step,
 kill (simulated and SIGKILL) and resume bitwise, checkpoint errors, the sweep plan, parallel ==
-serial, broken exports, the CLI, torchrun, and the README's numbers (TestDocNumbers)."""
+serial, broken exports, the CLI, torchrun, and the README's numbers (TestDocNumbers).
+
+Learner mode: tests tagged `@exercise(...)` grade one exercise of main.py each. The resume
+tests run with a reference `distill_step` patched in (and the distill-step tests with a
+reference loss), so a wrong loss or step fails its own exercise, not the resume logic; the
+untagged tests (the demo, the sweep on ranks, exports, the docs' numbers, the CLI) are the
+"integration" criterion."""
 
 from __future__ import annotations
 
@@ -12,11 +18,12 @@ import shutil
 import tempfile
 import unittest
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from lessons._launch import WorkerError, one_thread
-from lessons._testing import assert_argument_error, run_under_torchrun
+from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
 M = importlib.import_module("lessons.10_bypass_distillation.main")
 C = importlib.import_module("lessons.10_bypass_distillation.checks")
@@ -35,14 +42,87 @@ def stop_after(step: int):
     return C.kill_hook(step, real=False)
 
 
+def reference_loss(y, t):
+    return (y - t).pow(2).sum() / (t.pow(2).sum() + M.EPS)
+
+
+def reference_distill_step(block, optimizer, scheduler, x, t) -> float:
+    """The step the resume tests train with (not the learner's `distill_step`)."""
+    loss = reference_loss(block(x), t)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    return float(loss.detach())
+
+
+def step_setup(seed: int = 0):
+    """A LinearBlock made non-trivial, AdamW, warmup + cosine schedule, and (x, t)."""
+    torch.manual_seed(seed)
+    block = M.LinearBlock(8)
+    with torch.no_grad():
+        block.proj.weight.normal_(0, 0.3)
+    optimizer = torch.optim.AdamW(block.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, M.checkpointing.cosine_with_warmup(2, 6))
+    x, t = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    return block, optimizer, scheduler, x, t
+
+
+@exercise("block-loss")
+class TestBlockLoss(unittest.TestCase):
+    def test_values(self):
+        torch.manual_seed(0)
+        y, x, t = torch.randn(4, 3, 5), torch.randn(4, 3, 5), 3 * torch.randn(4, 3, 5)
+        want = float(((y - t) ** 2).sum() / ((t ** 2).sum() + M.EPS))
+        self.assertAlmostEqual(float(M.normalized_mse(y, t)), want, places=5)
+        want = float(((y - t) ** 2).sum() / (((t - x) ** 2).sum() + M.EPS))
+        self.assertAlmostEqual(float(M.block_change_mse(y, x, t)), want, places=5)
+        self.assertEqual(M.normalized_mse(y, t).dim(), 0)
+        self.assertAlmostEqual(float(M.normalized_mse(5 * y, 5 * t)), float(M.normalized_mse(y, t)), places=5)
+
+    def test_differentiable_in_the_student_output(self):
+        y, t = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+        M.normalized_mse(y, t).backward()
+        self.assertTrue(torch.allclose(y.grad, 2 * (y - t).detach() / ((t ** 2).sum() + M.EPS)))
+        self.assertEqual(float(M.normalized_mse(torch.zeros(3), torch.zeros(3))), 0.0)  # eps: no 0/0
+
+
+@exercise("distill-step")
+class TestDistillStep(unittest.TestCase):
+    """Three `distill_step`s against the same steps written here, on copies of one setup (the
+    learner's normalized_mse replaced by the reference loss: this grades the step alone)."""
+
+    def test_three_steps_equal_the_reference(self):
+        mine, ref = step_setup(), step_setup()
+        x0, t0 = mine[3].clone(), mine[4].clone()
+        with mock.patch.object(M, "normalized_mse", reference_loss):
+            losses = [M.distill_step(*mine) for _ in range(3)]
+        want = [reference_distill_step(*ref) for _ in range(3)]
+        for got, expected in zip(losses, want):
+            self.assertIsInstance(got, float)
+            self.assertAlmostEqual(got, expected, places=6)
+        for (name, a), b in zip(mine[0].named_parameters(), ref[0].parameters()):
+            self.assertTrue(torch.allclose(a, b, atol=1e-6), name)
+        self.assertEqual(mine[2].last_epoch, 3)
+        self.assertEqual(mine[1].param_groups[0]["lr"], ref[1].param_groups[0]["lr"])
+        self.assertTrue(torch.equal(mine[3], x0) and torch.equal(mine[4], t0))
+
+
 class TestPieces(TempDirCase):
+    @exercise("resumable-block")
     def test_fingerprint_is_canonical_and_sensitive(self):
         self.assertEqual(M.fingerprint({"a": 1, "b": [1, 2]}), M.fingerprint({"b": [1, 2], "a": 1}))
         self.assertNotEqual(RUN.fingerprint(), dataclasses.replace(RUN, lr=1e-3).fingerprint())
         other_teacher = dataclasses.replace(RUN, teacher=dataclasses.replace(TEACHER, seed=1))
         self.assertNotEqual(RUN.fingerprint(), other_teacher.fingerprint())
         self.assertEqual(len(RUN.fingerprint()), 16)
+        for field, value in (("kind", "linear"), ("steps", 21), ("warmup", 4), ("save_every", 5)):
+            with self.subTest(field=field):
+                changed = dataclasses.replace(RUN, **{field: value})
+                self.assertNotEqual(RUN.fingerprint(), changed.fingerprint())
+        self.assertEqual(RUN.fingerprint(), dataclasses.replace(RUN).fingerprint())
 
+    @exercise("block-loss")
     def test_block_losses(self):
         t, x = torch.randn(4, 5), torch.randn(4, 5)
         self.assertAlmostEqual(float(M.normalized_mse(torch.zeros_like(t), t)), 1.0, places=6)
@@ -81,6 +161,11 @@ class TestPieces(TempDirCase):
 
 
 class TestResume(TempDirCase):
+    def setUp(self):
+        super().setUp()
+        self.enterContext(mock.patch.object(M, "distill_step", reference_distill_step))
+
+    @exercise("resumable-block")
     def test_killed_and_resumed_equals_uninterrupted_bitwise(self):
         teacher = M.train_teacher(TEACHER)
         with self.assertRaises(C.SimulatedKill):
@@ -93,6 +178,7 @@ class TestResume(TempDirCase):
         self.assertEqual(resumed["losses"], fresh["losses"])
         self.assertEqual(M.train_block(RUN, self.dir / "a", 1, teacher)["status"], "skipped")
 
+    @exercise("resumable-block")
     def test_sweep_plan(self):
         teacher = M.train_teacher(TEACHER)
         run_dir = self.dir / RUN.fingerprint()
@@ -116,6 +202,7 @@ class TestResume(TempDirCase):
         with self.assertRaisesRegex(M.checkpointing.CheckpointError, "step-000010.pt: unreadable"):
             M.load_block(directory)
 
+    @exercise("resumable-block")
     def test_a_crash_before_the_pointer_moves_keeps_the_previous_checkpoint(self):
         teacher = M.train_teacher(TEACHER)
         directory = M.block_dir(self.dir, 0)
