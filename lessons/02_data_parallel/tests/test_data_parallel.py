@@ -197,11 +197,13 @@ class TestDocNumbers(unittest.TestCase):
 
 
 class TestAgainstReferences(unittest.TestCase):
-    """Every check of the demo, on 1, 2 and 3 ranks (one launch each; 4 is the demo's default)."""
+    """Every check of the demo, on 1, 2 and 3 ranks (one launch each; 4 is the demo's default),
+    and on 2 ranks the benchmark's plumbing."""
 
     @classmethod
     def setUpClass(cls):
-        cls.results = {world: launch(W.all_checks, world, (3, 2, 12), device="cpu", timeout_s=90)
+        cls.results = {world: launch(W.all_checks, world, (3, 2, 12, world == 2), device="cpu",
+                                     timeout_s=90)
                        for world in (1, 2, 3)}
 
     def test_every_check_passes(self):
@@ -210,10 +212,23 @@ class TestAgainstReferences(unittest.TestCase):
     def test_bucket_count_reported(self):
         self.assertEqual(self.results[2][0]["metrics"]["buckets"], 3)
 
+    def test_bench_runs_and_its_timelines_are_ordered(self):
+        """The benchmark's plumbing (no timing value is asserted)."""
+        result = self.results[2][0]["bench"]
+        variants = [row["variant"] for row in result["rows"]]
+        self.assertEqual(variants[:2], ["local (no communication)", "flat, after backward"])
+        self.assertEqual([row["buckets"] for row in result["rows"]], [0, 1, 3, 1, 3])
+        for name, line in result["timelines"].items():
+            with self.subTest(variant=name):
+                self.assertEqual(line["launch_s"], sorted(line["launch_s"]))
+                self.assertLessEqual(line["launch_s"][-1], line["backward_end_s"])
+                self.assertTrue(all(done >= line["backward_end_s"] for done in line["reduced_s"]))
+                self.assertEqual(sum(line["bucket_bytes"]), result["params"] * 4)
+
 
 class TestOnRanks(unittest.TestCase):
     """One launch on 3 ranks: each exercise's section (workers.exercise_checks; a section that
-    raised comes back as its error), then the benchmark's plumbing."""
+    raised comes back as its error, and fails that exercise's tests alone)."""
 
     world = 3
     seed = 5
@@ -373,22 +388,6 @@ class TestOnRanks(unittest.TestCase):
             self.assertEqual(result["starts_after_init"], 1)
             self.assertEqual(result["starts_per_forward"], 1, "call self._start_backward() once per forward")
             self.assertTrue(result["output_unchanged"])
-
-    # ------------------------------------------------------------------ integration
-
-    def test_bench_runs_and_its_timelines_are_ordered(self):
-        """The benchmark's plumbing (no timing value is asserted)."""
-        result = self.section("bench")[0]
-        variants = [row["variant"] for row in result["rows"]]
-        self.assertEqual(variants[:2], ["local (no communication)", "flat, after backward"])
-        self.assertEqual([row["buckets"] for row in result["rows"]], [0, 1, 3, 1, 3])
-        for name, line in result["timelines"].items():
-            with self.subTest(variant=name):
-                self.assertEqual(line["launch_s"], sorted(line["launch_s"]))
-                self.assertLessEqual(line["launch_s"][-1], line["backward_end_s"])
-                self.assertTrue(all(done >= line["backward_end_s"] for done in line["reduced_s"]))
-                self.assertEqual(sum(line["bucket_bytes"]), result["params"] * 4)
-
 
 class TestCommandLine(unittest.TestCase):
     def test_bad_arguments_exit_2(self):

@@ -26,8 +26,14 @@ UNEVEN_6 = [[5], [4, 3, 2], [1, 0]]
 PAIRS_8 = [[7, 6], [5, 4], [3, 2], [1, 0]]  # with the unused layer: bucket 0 = spare
 
 
-def all_checks(ctx, seed: int, steps: int, batch: int) -> dict:
-    return checks.verify_worker(ctx, seed, steps, batch, None, 0)
+def all_checks(ctx, seed: int, steps: int, batch: int, bench: bool = False) -> dict:
+    """Every check of the demo on this rank; with `bench`, also one step of the benchmark on a
+    32-wide model (its plumbing, not its timings)."""
+    result = checks.verify_worker(ctx, seed, steps, batch, None, 0)
+    if bench:
+        result["bench"] = importlib.import_module("lessons.02_data_parallel.bench").bench_worker(
+            ctx, 32, 1, [2048, 64 * 1024])
+    return result
 
 
 class BackwardsMLP(data_parallel.TinyMLP):
@@ -83,10 +89,11 @@ def average_section(ctx, seed: int) -> dict:
         result[kind] = {"count": count, "grads": flat_grads(model),
                         "spare_has_no_grad": all(p.grad is None for p in model.spare.parameters())}
     model = data_parallel.make_model(seed + ctx.rank)  # no broadcast: every rank different
-    optimizer = checks.make_optimizer(model)
     F.mse_loss(model(x), y).backward()
     data_parallel.naive_all_reduce_gradients(model)
-    optimizer.step()
+    with torch.no_grad():  # one SGD step by hand (building a torch optimizer in a fresh rank
+        for param in model.parameters():  # imports torch._dynamo: seconds of CPU)
+            param -= 0.05 * param.grad
     result["no_broadcast"] = data_parallel.flat_params(model).tolist()
     return result
 
@@ -219,14 +226,12 @@ def no_sync_decision_section(ctx, seed: int) -> dict:
 
 
 def exercise_checks(ctx, seed: int) -> dict:
-    """Every exercise's section on this rank, then the benchmark's plumbing on a 32-wide model
-    (integration: it uses every piece)."""
-    bench = importlib.import_module("lessons.02_data_parallel.bench")
+    """Every exercise's section on this rank (no torch optimizer here: building one in a fresh
+    rank imports torch._dynamo, seconds of CPU per rank, and each planted bug pays this launch)."""
     return {"average": guarded(average_section, ctx, seed),
             "reducer": guarded(reducer_section, ctx, seed),
             "no_sync_flag": guarded(no_sync_flag_section, ctx, seed),
-            "no_sync_decision": guarded(no_sync_decision_section, ctx, seed),
-            "bench": guarded(bench.bench_worker, ctx, 32, 1, [2048, 64 * 1024])}
+            "no_sync_decision": guarded(no_sync_decision_section, ctx, seed)}
 
 
 def reference_gradient(model_seed: int, batch_seed: int, world_size: int,
