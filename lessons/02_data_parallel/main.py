@@ -106,13 +106,18 @@ def broadcast_parameters_and_buffers(module: nn.Module, src: int = 0) -> None:
 # ============================================================================ 3. naive
 
 
+# exercise average-gradients (3 points): The averaged gradient: per tensor, then one flat buffer
+# hint: dist.all_reduce sums in place (divide by dist.get_world_size()); torch.cat makes a
+#   copy, so the flat variant copies each slice back with grad.copy_(...).
 def naive_all_reduce_gradients(module: nn.Module) -> int:
-    """Call after backward. For every parameter with a gradient: all-reduce its .grad in place
-    and divide by p (dist.all_reduce sums), so every rank holds the average (1/p) sum_r g_r.
+    """Call after backward, on every rank. For every parameter of `module.parameters()` whose
+    .grad is not None: all-reduce its .grad in place and divide by p (dist.all_reduce sums), so
+    every rank's .grad holds the average (1/p) sum_r g_r, same shape and tensor as before.
+    Parameters without a gradient are skipped (not counted, .grad stays None).
 
     Cost: one collective per parameter tensor, so the per-message latency alpha is paid
     n_tensors times; bytes per rank 2(p-1)/p x Psi x b with a ring. Returns the number of
-    collectives launched."""
+    collectives launched (= the number of parameters with a gradient)."""
     world = dist.get_world_size()
     launched = 0
     for param in module.parameters():
@@ -126,9 +131,13 @@ def naive_all_reduce_gradients(module: nn.Module) -> int:
 # ============================================================================ 4. flat
 
 
+# exercise average-gradients (continued)
 def flat_all_reduce_gradients(module: nn.Module) -> int:
-    """Call after backward. Concatenate every gradient into one flat buffer of Psi elements,
-    all-reduce it once, divide by p, copy each slice back into its .grad.
+    """Call after backward, on every rank. Concatenate every gradient (the parameters whose
+    .grad is not None, in parameters() order, each flattened) into one flat buffer of shape
+    (Psi,), all-reduce it once, divide by p, and copy each slice back into its .grad in place
+    (the buffer is a copy: without that, .grad keeps the local gradient). Afterwards every
+    rank's .grad holds (1/p) sum_r g_r, exactly as `naive_all_reduce_gradients` leaves it.
 
     Cost: one collective (alpha paid once) for the same 2(p-1)/p x Psi x b bytes, at the price
     of a copy in and out and a temporary buffer of Psi elements. Returns 1 (collectives)."""
@@ -146,6 +155,9 @@ def flat_all_reduce_gradients(module: nn.Module) -> int:
 # ============================================================================ 5. buckets
 
 
+# exercise bucket-assignment (3 points): Buckets by size, in gradient order, closed at the cap
+# hint: walk reversed(range(n)); add the index first, then close the bucket once its bytes
+#   reach the limit (>=); the limit is first_cap_bytes only until the first bucket closes.
 def assign_buckets_by_size(sizes_bytes: list[int], cap_bytes: int,
                            first_cap_bytes: int | None = None) -> list[list[int]]:
     """Group parameter indices (in parameters() order) into buckets, walking them in REVERSE
@@ -156,7 +168,12 @@ def assign_buckets_by_size(sizes_bytes: list[int], cap_bytes: int,
     bucket passes the cap by at most one parameter; a parameter larger than the cap closes its
     bucket at once. `first_cap_bytes` caps bucket 0 alone (torch uses 1 MiB there when
     bucket_cap_mb is left at its default). Every index lands in exactly one bucket.
-    assign_buckets_by_size([8, 8, 8], 16) == [[2, 1], [0]]."""
+
+    Returns the buckets in the order they close (bucket 0 first), each a list of indices in
+    the order they joined it (descending); a last, open bucket below the cap is kept; [] for no
+    parameters. The same assignment as torch's reducer when it rebuilds its buckets.
+    assign_buckets_by_size([8, 8, 8], 16) == [[2, 1], [0]];
+    assign_buckets_by_size([8, 8, 8, 8], 100, first_cap_bytes=8) == [[3], [2, 1, 0]]."""
     buckets: list[list[int]] = []
     current: list[int] = []
     size = 0
@@ -172,9 +189,11 @@ def assign_buckets_by_size(sizes_bytes: list[int], cap_bytes: int,
     return buckets
 
 
+# exercise bucket-assignment (continued)
 def assign_buckets(params: list[nn.Parameter], cap_bytes: int,
                    first_cap_bytes: int | None = None) -> list[list[int]]:
-    """`assign_buckets_by_size` on the parameters' sizes in bytes (numel x element size)."""
+    """`assign_buckets_by_size` on the parameters' sizes in bytes (numel x element size, so a
+    float64 parameter weighs twice a float32 one of the same shape); indices into `params`."""
     return assign_buckets_by_size([p.numel() * p.element_size() for p in params], cap_bytes,
                                   first_cap_bytes)
 
@@ -200,6 +219,11 @@ class BucketedDDP(nn.Module):
     callback that runs when backward ends: it waits for every bucket, divides by p and copies
     the averages into .grad. As in torch DDP, whether a backward synchronises is decided in
     `forward`, from `require_backward_grad_sync` (which `no_sync()` turns off).
+
+    Who does what: `forward` and `no_sync` decide, per forward, whether its backward
+    communicates, store that in `self._sync_this_backward` and reset the bookkeeping with
+    `_start_backward()`; the hooks (`_make_hook`, `_launch`, `_finish`) communicate, reading
+    only that decision and the bookkeeping.
 
     Cost per synchronised backward: len(self.buckets) all-reduces, 2(p-1)/p x Psi x b bytes
     sent per rank in all, one copy of each gradient into its bucket and back. Rank 0's buffers
@@ -227,6 +251,10 @@ class BucketedDDP(nn.Module):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
 
     def _start_backward(self) -> None:
+        """The bookkeeping of one backward: `_pending[b]` the indices of bucket b whose
+        gradient is not ready yet, `_next_bucket` the next bucket to launch, `_inflight` the
+        launched (bucket, flat buffer, work) in launch order, `_callback_queued` whether
+        `_finish` is queued for the end of this backward."""
         self._pending = [set(bucket) for bucket in self.buckets]  # gradients not ready yet
         self._next_bucket = 0  # buckets launch strictly in index order
         self._inflight: list[tuple[int, torch.Tensor, dist.Work]] = []
@@ -236,16 +264,30 @@ class BucketedDDP(nn.Module):
         if self.on_event is not None:
             self.on_event(kind, bucket)
 
+    # exercise no-sync (2 points): Decide at forward; no_sync() for gradient accumulation
+    # hint: decide in forward, never in backward; no_sync: save the flag, clear it, yield
+    #   inside try, restore the saved value in finally.
     def forward(self, *args, **kwargs):
+        """Run `self.module(*args, **kwargs)` and return its output unchanged. Before it, decide
+        whether the backward of this forward synchronises: only if `require_backward_grad_sync`
+        is set (no_sync() clears it) and grad mode is on (torch.is_grad_enabled()). Store the
+        decision in `self._sync_this_backward` (the hooks read it; changing the flag after
+        forward is too late, as in torch DDP), and reset the bookkeeping: call
+        `self._start_backward()` once per forward."""
         self._sync_this_backward = self.require_backward_grad_sync and torch.is_grad_enabled()
         self._start_backward()
         return self.module(*args, **kwargs)
 
+    # exercise no-sync (continued)
     @contextlib.contextmanager
     def no_sync(self):
         """Backward passes whose FORWARD ran inside this context accumulate gradients locally
         without communication; the first synchronised backward after it all-reduces the
-        accumulated sum. Cost: no bytes sent for those micro-steps."""
+        accumulated sum. Cost: no bytes sent for those micro-steps.
+
+        Contract: `require_backward_grad_sync` is False inside the context and gets back the
+        value it had before on exit, also when the body raises; contexts nest (leaving an
+        inner one keeps it False)."""
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -253,10 +295,20 @@ class BucketedDDP(nn.Module):
         finally:
             self.require_backward_grad_sync = previous
 
+    # exercise bucketed-reducer (5 points): Hooks, in-order async launches, wait and unflatten
+    # hint: queue self._finish once per backward with
+    #   torch.autograd.Variable._execution_engine.queue_callback; launch in a `while` loop from
+    #   self._next_bucket, never a bucket whose predecessors are still pending.
     def _make_hook(self, index: int):
-        """The hook of parameter `index`: on a synchronised backward, queue `_finish` at the
-        first gradient, mark `index` ready, then launch every complete bucket from
-        `_next_bucket` on, in order (a complete bucket waits for its predecessors)."""
+        """Return the hook of parameter `index` (self.params[index]): hook(param) -> None,
+        which __init__ registers with register_post_accumulate_grad_hook, so it runs once
+        param.grad holds this backward's (accumulated) gradient. On an unsynchronised backward
+        (`self._sync_this_backward` False) it does nothing. Otherwise: at the first gradient
+        of this backward queue `_finish` as an autograd-engine callback (once per backward,
+        `_callback_queued`), mark `index` ready (remove it from
+        `_pending[self.bucket_of[index]]`), then launch every complete bucket from
+        `_next_bucket` on, in index order (a complete bucket waits for its predecessors: every
+        rank then issues the same all-reduces in the same order)."""
         def hook(param: torch.Tensor) -> None:
             if not self._sync_this_backward:
                 return
@@ -269,16 +321,27 @@ class BucketedDDP(nn.Module):
                 self._next_bucket += 1
         return hook
 
+    # exercise bucketed-reducer (continued)
     def _launch(self, bucket: int) -> None:
-        """Flatten the bucket's gradients and start an async all-reduce (returns at once)."""
+        """Flatten the bucket's gradients into a new 1-D buffer (each .grad reshaped to 1-D, in
+        the order of `self.buckets[bucket]`), start `dist.all_reduce(flat, async_op=True)`
+        (returns at once with a Work), append (bucket, flat, work) to `self._inflight`, then
+        `self._notify("launch", bucket)`."""
         flat = torch.cat([self.params[i].grad.reshape(-1) for i in self.buckets[bucket]])
         work = dist.all_reduce(flat, async_op=True)
         self._inflight.append((bucket, flat, work))
         self._notify("launch", bucket)
 
+    # exercise bucketed-reducer (continued)
     def _finish(self) -> None:
-        """End of backward: every bucket must have launched (else some parameter got no
-        gradient), then wait for each, average and write back."""
+        """End of backward (the autograd engine calls it once, after every hook ran). Every
+        bucket must have launched: if not, some parameter got no gradient, so switch
+        `_sync_this_backward` off and raise a RuntimeError naming every parameter still
+        pending (by its name in `self.names[id(param)]`, e.g. 'spare.weight'). Else
+        `self._notify("backward_end", -1)`, then for each (bucket, flat, work) of `_inflight`
+        in launch order: wait for the work, divide flat by p, copy each slice back into its
+        .grad in place (the order of `_launch`), `self._notify("reduced", bucket)`; at the end
+        `_inflight` is empty. Afterwards every .grad holds (1/p) sum_r g_r."""
         if self._next_bucket < len(self.buckets):
             missing = [self.names[id(self.params[i])]
                        for pending in self._pending for i in sorted(pending)]

@@ -1,7 +1,10 @@
 """Lesson 02's suite: bucket assignment and the cost model, the numbers the docs quote, every DDP
-variant against the single-process run and torch DDP on 1, 2 and 3 ranks, what the checks must
-catch (missing broadcast, missing average, launch order), the benchmark's plumbing, the CLI and
-a run under torchrun."""
+variant against the single-process run and torch DDP on 1, 2 and 3 ranks, each exercise on 3
+ranks (averages, the reducer's events on given buckets, what forward and no_sync decide), the
+benchmark's plumbing, the CLI and a run under torchrun.
+
+Tests tagged `@exercise(ID)` grade that exercise of main.py (python -m course grade 02); the
+untagged ones grade "integration": the demo end to end, the docs' numbers, the CLI."""
 
 from __future__ import annotations
 
@@ -13,10 +16,16 @@ import unittest
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from lessons._checks import max_abs_diff as _max_abs_diff
 from lessons._launch import launch
-from lessons._testing import assert_argument_error, assert_every_check_passes, run_under_torchrun
+from lessons._testing import (
+    assert_argument_error,
+    assert_every_check_passes,
+    exercise,
+    run_under_torchrun,
+)
 
 data_parallel = importlib.import_module("lessons.02_data_parallel.main")
 checks = importlib.import_module("lessons.02_data_parallel.checks")
@@ -36,37 +45,69 @@ def bench_model_sizes() -> list[int]:
     return [1024 * 1024 * 4, 1024 * 4] * 3
 
 
+@exercise("bucket-assignment")
 class TestBuckets(unittest.TestCase):
     def test_reverse_order_and_cap(self):
         self.assertEqual(data_parallel.assign_buckets_by_size([8, 8, 8], 16), [[2, 1], [0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([100, 1, 1], 10), [[2, 1, 0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([5, 5, 5, 5], 1), [[3], [2], [1], [0]])
+        self.assertEqual(data_parallel.assign_buckets_by_size([4, 4, 4], 8), [[2, 1], [0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([], 10), [])
 
     def test_first_bucket_has_its_own_cap(self):
         self.assertEqual(data_parallel.assign_buckets_by_size([8, 8, 8, 8], 100, first_cap_bytes=8),
                          [[3], [2, 1, 0]])
+        self.assertEqual(data_parallel.assign_buckets_by_size([8, 8, 8, 8, 8], 16, first_cap_bytes=8),
+                         [[4], [3, 2], [1, 0]])
         self.assertEqual(data_parallel.assign_buckets_by_size(bench_model_sizes(), 25 * MiB, MiB),
                          [[5, 4], [3, 2, 1, 0]])
 
-    def test_every_parameter_once_and_count_within_bound(self):
+    def test_every_parameter_once_and_every_bucket_closed_at_the_cap(self):
         rng = random.Random(0)
         for trial in range(200):
             sizes = [rng.choice([1, 3, 70, 400, 5000]) for _ in range(rng.randint(0, 12))]
             cap = rng.choice([1, 10, 50, 100, 1000, 10**6])
             buckets = data_parallel.assign_buckets_by_size(sizes, cap)
-            with self.subTest(trial=trial):
+            with self.subTest(trial=trial, sizes=sizes, cap=cap):
                 self.assertEqual(sorted(i for b in buckets for i in b), list(range(len(sizes))))
-                for bucket in buckets[:-1]:  # every closed bucket reached the cap
+                self.assertEqual([i for b in buckets for i in b], list(reversed(range(len(sizes)))),
+                                 "buckets follow the gradient order: last parameter first")
+                for bucket in buckets[:-1]:  # every closed bucket reached the cap, not before
                     self.assertGreaterEqual(sum(sizes[i] for i in bucket), cap)
+                for bucket in buckets:  # ...and closed with the parameter that reached it
+                    self.assertLess(sum(sizes[i] for i in bucket[:-1]), cap)
                 self.assertLessEqual(data_parallel.count_buckets(sizes, cap),
                                      data_parallel.bucket_count_bound(sum(sizes), cap, len(sizes)))
 
-    def test_launch_order_follows_the_assignment(self):
-        model = data_parallel.make_model(0)
+    def test_same_as_torch_reducer(self):
+        """torch's own rule (the C++ reducer's compute_bucket_assignment_by_size, called the way
+        DDP calls it when it rebuilds buckets in gradient order), on random float32 sizes."""
+        rng = random.Random(3)
+        for trial in range(300):
+            numels = [rng.choice([1, 3, 70, 400, 5000]) for _ in range(rng.randint(1, 12))]
+            cap = rng.choice([4, 40, 200, 400, 4000, 4 * 10**6])
+            first = rng.choice([None, 4, 100, 4000])
+            tensors = [torch.empty(n) for n in numels]
+            limits = [cap] if first is None else [first, cap]
+            reverse = list(reversed(range(len(numels))))
+            theirs, _ = dist._compute_bucket_assignment_by_size(
+                [tensors[i] for i in reverse], limits, [False] * len(numels), reverse)
+            with self.subTest(trial=trial, bytes=[4 * n for n in numels], cap=cap, first=first):
+                self.assertEqual(data_parallel.assign_buckets_by_size([4 * n for n in numels], cap,
+                                                                      first), theirs)
+
+    def test_assign_buckets_weighs_bytes(self):
+        model = data_parallel.make_model(0)  # float64: 4096, 256, 8192, 256, 1024, 32 bytes
         self.assertEqual(data_parallel.assign_buckets(list(model.parameters()), 1024),
                          [[5, 4], [3, 2], [1, 0]])
+        single = data_parallel.make_model(0, torch.float32)  # half the bytes
+        self.assertEqual(data_parallel.assign_buckets(list(single.parameters()), 1024),
+                         [[5, 4, 3, 2], [1, 0]])
+        self.assertEqual(data_parallel.assign_buckets(list(model.parameters()), 10**6, 1024),
+                         [[5, 4], [3, 2, 1, 0]])
 
+
+class TestLocalShards(unittest.TestCase):
     def test_local_shards_tile_the_batch(self):
         x = torch.arange(12.0).reshape(12, 1)
         self.assertTrue(torch.equal(torch.cat([data_parallel.local_shard(x, r, 3) for r in range(3)]), x))
@@ -156,11 +197,13 @@ class TestDocNumbers(unittest.TestCase):
 
 
 class TestAgainstReferences(unittest.TestCase):
-    """Every check of the demo, on 1, 2 and 3 ranks (one launch each; 4 is the demo's default)."""
+    """Every check of the demo, on 1, 2 and 3 ranks (one launch each; 4 is the demo's default),
+    and on 2 ranks the benchmark's plumbing."""
 
     @classmethod
     def setUpClass(cls):
-        cls.results = {world: launch(W.all_checks, world, (3, 2, 12), device="cpu", timeout_s=90)
+        cls.results = {world: launch(W.all_checks, world, (3, 2, 12, world == 2), device="cpu",
+                                     timeout_s=90)
                        for world in (1, 2, 3)}
 
     def test_every_check_passes(self):
@@ -169,42 +212,9 @@ class TestAgainstReferences(unittest.TestCase):
     def test_bucket_count_reported(self):
         self.assertEqual(self.results[2][0]["metrics"]["buckets"], 3)
 
-
-class TestWhatChecksCatch(unittest.TestCase):
-    """One launch on 2 ranks: the failures the checks must catch, the launch order, the bench."""
-
-    @classmethod
-    def setUpClass(cls):
-        cls.world = 2
-        cls.results = launch(W.what_checks_catch, cls.world, (5,), device="cpu", timeout_s=90)
-
-    def test_missing_broadcast_leaves_ranks_different(self):
-        self.assertGreater(max_abs_diff(self.results[0]["no_broadcast"],
-                                        self.results[1]["no_broadcast"]), 1e-3)
-
-    def test_missing_average_is_p_times_too_large(self):
-        grads = W.reference_gradient(5, self.world)
-        summed = self.results[0]["summed"]
-        self.assertGreater(max_abs_diff(summed, grads), 1e3 * checks.TOLERANCE)
-        self.assertLess(max_abs_diff(torch.tensor(summed, dtype=torch.float64) / self.world, grads),
-                        checks.TOLERANCE)
-
-    def test_buckets_launch_in_index_order_even_when_gradients_arrive_reversed(self):
-        for result in self.results:
-            self.assertEqual(result["buckets"], [[5, 4], [3, 2], [1, 0]])
-            events = [tuple(event) for event in result["events"]]
-            # bucket 2 (fc1) and bucket 1 complete first, yet nothing launches before bucket 0
-            self.assertEqual(events, [("grad", -2)] * 6 + [("launch", 0), ("launch", 1), ("launch", 2),
-                                                          ("backward_end", -1), ("reduced", 0),
-                                                          ("reduced", 1), ("reduced", 2)])
-            self.assertLess(max_abs_diff(result["reordered_grads"],
-                                         W.reference_reordered_gradient(5, self.world)),
-                            checks.TOLERANCE)
-
-
     def test_bench_runs_and_its_timelines_are_ordered(self):
         """The benchmark's plumbing (no timing value is asserted)."""
-        result = self.results[0]["bench"]
+        result = self.results[2][0]["bench"]
         variants = [row["variant"] for row in result["rows"]]
         self.assertEqual(variants[:2], ["local (no communication)", "flat, after backward"])
         self.assertEqual([row["buckets"] for row in result["rows"]], [0, 1, 3, 1, 3])
@@ -215,6 +225,169 @@ class TestWhatChecksCatch(unittest.TestCase):
                 self.assertTrue(all(done >= line["backward_end_s"] for done in line["reduced_s"]))
                 self.assertEqual(sum(line["bucket_bytes"]), result["params"] * 4)
 
+
+class TestOnRanks(unittest.TestCase):
+    """One launch on 3 ranks: each exercise's section (workers.exercise_checks; a section that
+    raised comes back as its error, and fails that exercise's tests alone)."""
+
+    world = 3
+    seed = 5
+
+    @classmethod
+    def setUpClass(cls):
+        cls.results = launch(W.exercise_checks, cls.world, (cls.seed,), device="cpu", timeout_s=90)
+
+    def section(self, name: str) -> list[dict]:
+        """The section's result on every rank; the test fails with its error if it raised."""
+        for rank, result in enumerate(self.results):
+            if "error" in result[name]:
+                self.fail(f"rank {rank}: {result[name]['error']}")
+        return [result[name] for result in self.results]
+
+    def assert_average(self, got, reference, local=None, what: str = "") -> None:
+        """`got` is the average `reference` (float64, within checks.TOLERANCE); else say which
+        usual mistake it looks like."""
+        got, reference = torch.tensor(got, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
+        self.assertEqual(got.shape, reference.shape, f"{what}: gradient sizes differ")
+        gap = max_abs_diff(got, reference)
+        if gap <= checks.TOLERANCE:
+            return
+        if max_abs_diff(got, reference * self.world) <= checks.TOLERANCE:
+            self.fail(f"{what}: the SUM over ranks, p = {self.world} times the average (divide by "
+                      f"the world size)")
+        if local is not None and max_abs_diff(got, local) <= checks.TOLERANCE:
+            self.fail(f"{what}: still this rank's local gradient (nothing reduced into .grad)")
+        self.fail(f"{what}: max |grad - average| = {gap:.2e} > {checks.TOLERANCE:g}")
+
+    # ------------------------------------------------------------------ average-gradients
+
+    @exercise("average-gradients")
+    def test_naive_all_reduce_averages_every_gradient(self):
+        reference = W.reference_gradient(self.seed, self.seed, self.world, unused=True)
+        for rank, result in enumerate(self.section("average")):
+            self.assert_average(result["naive"]["grads"], reference, what=f"naive, rank {rank}")
+            self.assertEqual(result["naive"]["count"], 6, "one all-reduce per parameter WITH a gradient")
+            self.assertTrue(result["naive"]["spare_has_no_grad"], "a parameter without gradient is skipped")
+
+    @exercise("average-gradients")
+    def test_flat_all_reduce_averages_and_copies_back(self):
+        reference = W.reference_gradient(self.seed, self.seed, self.world, unused=True)
+        for rank, result in enumerate(self.section("average")):
+            self.assert_average(result["flat"]["grads"], reference, what=f"flat, rank {rank}")
+            self.assertEqual(result["flat"]["count"], 1, "one all-reduce in all")
+            self.assertTrue(result["flat"]["spare_has_no_grad"], "a parameter without gradient is skipped")
+
+    def test_missing_broadcast_leaves_ranks_different(self):
+        results = self.section("average")
+        self.assertGreater(max_abs_diff(results[0]["no_broadcast"], results[1]["no_broadcast"]), 1e-3)
+
+    # ------------------------------------------------------------------ bucketed-reducer
+
+    def expected_events(self, grad_order: list[int], launch_after: dict[int, list[int]]) -> list[tuple]:
+        events = []
+        for index in grad_order:
+            events.append(("grad", index))
+            events += [("launch", bucket) for bucket in launch_after.get(index, [])]
+        return events + [("backward_end", -1), ("reduced", 0), ("reduced", 1), ("reduced", 2)]
+
+    @exercise("bucketed-reducer")
+    def test_buckets_launch_during_backward_as_they_fill(self):
+        """Buckets [[5, 4], [3, 2], [1, 0]], gradients 5, 4, ..., 0: bucket 0 starts right after
+        gradient 4, while backward still runs (the overlap), and so on."""
+        expected = self.expected_events([5, 4, 3, 2, 1, 0], {4: [0], 2: [1], 0: [2]})
+        for rank, result in enumerate(self.section("reducer")):
+            with self.subTest(rank=rank):
+                self.assertEqual([tuple(e) for e in result["in_order"]["events"]], expected)
+
+    @exercise("bucketed-reducer")
+    def test_buckets_launch_in_index_order_even_when_gradients_arrive_reversed(self):
+        """BackwardsMLP: bucket 2 (fc1) and bucket 1 complete first, yet nothing launches before
+        bucket 0, then 0, 1, 2 at once (every rank issues the same all-reduces in one order)."""
+        expected = self.expected_events([1, 0, 3, 2, 5, 4], {4: [0, 1, 2]})
+        reference = W.reference_reordered_gradient(self.seed, self.world)
+        for rank, result in enumerate(self.section("reducer")):
+            with self.subTest(rank=rank):
+                self.assertEqual(result["reversed"]["buckets"], [[5, 4], [3, 2], [1, 0]])
+                self.assertEqual([tuple(e) for e in result["reversed"]["events"]], expected)
+                self.assert_average(result["reversed"]["grads"], reference, what="reversed gradients")
+
+    @exercise("bucketed-reducer")
+    def test_every_bucket_averaged_into_grad(self):
+        reference = W.reference_gradient(self.seed + 1000, self.seed, self.world)
+        for rank, result in enumerate(self.section("reducer")):
+            local = W.local_gradient(self.seed + 1000, self.seed, self.world, rank)
+            self.assert_average(result["in_order"]["grads"], reference, local, f"rank {rank}")
+            self.assert_average(result["uneven"]["grads"],
+                                W.reference_gradient(self.seed, self.seed, self.world),
+                                what=f"buckets [[5], [4, 3, 2], [1, 0]], rank {rank}")
+
+    @exercise("bucketed-reducer")
+    def test_second_backward_starts_afresh(self):
+        reference = W.reference_gradient(self.seed + 1000, self.seed, self.world)
+        expected = self.expected_events([5, 4, 3, 2, 1, 0], {4: [0], 2: [1], 0: [2]})
+        for rank, result in enumerate(self.section("reducer")):
+            with self.subTest(rank=rank):
+                self.assertEqual([tuple(e) for e in result["second_backward"]["events"]], expected)
+                self.assert_average(result["second_backward"]["grads"], reference,
+                                    what=f"second backward, rank {rank}")
+
+    @exercise("bucketed-reducer")
+    def test_unsynchronised_backward_communicates_nothing(self):
+        for rank, result in enumerate(self.section("reducer")):
+            with self.subTest(rank=rank):
+                events = [tuple(e) for e in result["unsynchronised"]["events"]]
+                self.assertEqual(events, [("grad", i) for i in (5, 4, 3, 2, 1, 0)],
+                                 "_sync_this_backward False: no launch, no callback")
+                local = W.local_gradient(self.seed + 1000, self.seed, self.world, rank)
+                self.assertLess(max_abs_diff(result["unsynchronised"]["grads"], local),
+                                checks.TOLERANCE, "the local gradient stays in .grad")
+
+    @exercise("bucketed-reducer")
+    def test_unused_parameter_raises_naming_it(self):
+        for rank, result in enumerate(self.section("reducer")):
+            with self.subTest(rank=rank):
+                unused = result["unused"]
+                self.assertEqual(unused["raised"], "RuntimeError", unused["message"])
+                self.assertIn("spare.weight", unused["message"])
+                self.assertIn("spare.bias", unused["message"])
+
+    # ------------------------------------------------------------------ no-sync
+
+    @exercise("no-sync")
+    def test_no_sync_clears_the_flag_and_restores_it(self):
+        for states in self.section("no_sync_flag"):
+            self.assertEqual((states["before"], states["inside"], states["after"]), (True, False, True))
+
+    @exercise("no-sync")
+    def test_no_sync_restores_the_flag_when_the_body_raises(self):
+        for states in self.section("no_sync_flag"):
+            self.assertTrue(states["after_exception"], "restore in a finally block")
+
+    @exercise("no-sync")
+    def test_no_sync_nests_and_restores_the_previous_value(self):
+        for states in self.section("no_sync_flag"):
+            self.assertEqual((states["nested_inside"], states["after_inner"], states["after_outer"]),
+                             (False, False, True))
+            self.assertFalse(states["preset_false_after"], "restore the value it had, not True")
+
+    @exercise("no-sync")
+    def test_forward_decides_whether_its_backward_synchronises(self):
+        for result in self.section("no_sync_decision"):
+            self.assertEqual(result["plain"], [True])
+            self.assertEqual(result["both_inside"], [False])
+            self.assertEqual(result["forward_inside_only"], [False],
+                             "decided at forward: leaving no_sync before backward changes nothing")
+            self.assertEqual(result["backward_inside_only"], [True],
+                             "decided at forward: entering no_sync after it changes nothing")
+            self.assertEqual(result["accumulation"], [[False], [False], [True]])
+            self.assertFalse(result["no_grad_decision"], "a forward without grad mode never synchronises")
+
+    @exercise("no-sync")
+    def test_forward_starts_fresh_bookkeeping_and_returns_the_output(self):
+        for result in self.section("no_sync_decision"):
+            self.assertEqual(result["starts_after_init"], 1)
+            self.assertEqual(result["starts_per_forward"], 1, "call self._start_backward() once per forward")
+            self.assertTrue(result["output_unchanged"])
 
 class TestCommandLine(unittest.TestCase):
     def test_bad_arguments_exit_2(self):
