@@ -12,7 +12,9 @@ import multiprocessing
 import os
 
 NO_PREWARM = "_DTFS_NO_PREWARM"  # set in the forkserver and in ranks: they never prewarm
-PRELOAD = ["torch", "torch.distributed", "lessons._launch", "lessons._report", "lessons._checks"]
+# torch._dynamo: building any torch optimizer imports it (as long again as torch itself)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "lessons._launch", "lessons._report",
+           "lessons._checks"]
 
 
 def start_method() -> str:
