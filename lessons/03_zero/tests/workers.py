@@ -7,7 +7,9 @@ hook is graded even while their ZeRO-1 step is still a stub, and a mistake fails
 exercise only. Every expected value comes from an oracle that shares nothing with the code
 under test: the average computed locally from every rank's (deterministic) inputs, torch's
 `dist.all_reduce`, `torch.nn.utils.clip_grad_norm_`, or one process on the whole batch. A
-worker returns, per check, a problem (a sentence) or "" when it held.
+worker returns, per check, a problem (a sentence) or "" when it held. `exercises` runs them
+all in one launch: the ranks' start-up (mostly importing torch._dynamo for the first
+optimizer) costs more than the checks.
 """
 
 from __future__ import annotations
@@ -336,3 +338,16 @@ def sharded_clip(ctx) -> dict:
         max_norm = C.CLIP_FRACTION * C.train_single_process_adam(0, 1, BATCH)["norms"][0]
         result["training"] = trajectory(ctx, M.ZeroStage1, 1, max_norm)["trajectory"]
     return result
+
+
+# ============================================================================ all in one launch
+
+EXERCISE_WORKERS = {"zero1-step": zero1_step, "zero2-hook": zero2_hook,
+                    "sharded-clip": sharded_clip, "zero3-hooks": zero3_hooks}
+
+
+def exercises(ctx, names: list[str]) -> dict:
+    """Each named exercise's worker in turn on this rank: {name: its result}. An exception ends
+    the rank (and so the launch, at once: its peers lose their connection instead of waiting
+    for it in a collective); the tests then run each exercise alone."""
+    return {name: EXERCISE_WORKERS[name](ctx) for name in names}
