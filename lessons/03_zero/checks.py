@@ -22,8 +22,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from lessons._checks import max_abs_diff
@@ -214,6 +212,11 @@ def counting_all_reduce_hook(counter: dict, bucket):  # no annotation: DDP check
 def train_torch(ctx: RankContext, kind: str, seed: int, steps: int, batch: int) -> dict:
     """The same training with torch's ZeroRedundancyOptimizer (+ DDP, counting the elements
     DDP all-reduces and the optimizer broadcasts per step) or FSDP2 fully_shard."""
+    # imported here: torch.distributed.fsdp and .optim take seconds to import, and the ranks
+    # that the exercises' tests launch never need them
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     model = data_parallel.make_model(seed + ctx.rank, **SIZES).to(ctx.device)
     counter = {"all_reduce": 0, "broadcast": 0}
     if kind == "zero_redundancy":
@@ -339,6 +342,8 @@ def fsdp2_peak_worker(ctx: RankContext, hidden: int, layers: int) -> dict:
     model-state formula 16 Psi / N bytes (4 params + 4 grads + 8 Adam). The peak also holds
     activations, one layer's gathered weights and allocator slack, so it sits above the
     formula. One warm-up step runs before the peak statistics are reset."""
+    from torch.distributed.fsdp import fully_shard  # slow to import: only here and train_torch
+
     if ctx.device.type != "cuda":
         raise RuntimeError("fsdp2_peak_worker measures CUDA memory: run it with --device cuda")
     torch.manual_seed(0)

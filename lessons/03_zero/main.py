@@ -40,6 +40,9 @@ LR = 0.01
 STAGES = ("baseline", "zero1", "zero2", "zero3")
 
 
+# exercise zero-formulas (2 points): Memory and traffic per device of each ZeRO stage
+# hint: Psi = num_params and N = dp; write each stage's line of the docstring as it stands,
+#   dividing by N exactly the terms that stage shards (never the fp16 weights before ZeRO-3).
 def zero_bytes_per_device(stage: str, num_params: float, dp: int, k: float = 12,
                           param_bytes: float = 2, grad_bytes: float = 2) -> float:
     """Bytes of model states per device (ZeRO paper, Fig. 1), Psi = num_params, N = dp:
@@ -49,6 +52,8 @@ def zero_bytes_per_device(stage: str, num_params: float, dp: int, k: float = 12,
     K = 12 for mixed-precision Adam (fp32 master weights, momentum and variance); the 2s are
     the fp16 parameters and gradients (`param_bytes`, `grad_bytes`). What is not divided by N
     never shrinks, however many ranks join: ZeRO-1 keeps 4 Psi, ZeRO-2 2 Psi.
+    Worked number: 7.5e9 parameters on N = 64 give 120, 31.4, 16.6 and 1.9 GB (1e9 bytes).
+    With N = 1 every stage is 16 Psi. Any other `stage` raises ValueError naming STAGES.
     """
     psi, n = num_params, dp
     if stage == "baseline":
@@ -70,18 +75,26 @@ def memory_table_gb(num_params: float, dp: int, k: float = 12) -> dict[str, floa
 # ============================================================================ 2. shards
 
 
+# exercise zero1-step (4 points): The ZeRO-1 step: reduce-scatter, Adam on my shard, all-gather
+# hint: shard_bounds is lesson 01's chunk_bounds (`collectives.chunk_bounds`); the ring
+#   collectives are `collectives.ring_reduce_scatter` and `collectives.ring_all_gather` (they
+#   take and return 1-D tensors and count bytes in a `Traffic`); the average divides the sum by N.
 def shard_bounds(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     """[start, end) of rank `rank`'s shard of a flattened parameter of `numel` elements:
-    lesson 01's near-equal chunks (sizes differ by at most one), so shard_bounds(3, 4, 3) ==
-    (3, 3): rank 3 owns nothing of a 3-element bias, and the ring simply skips empty chunks."""
+    lesson 01's near-equal chunks (sizes differ by at most one, the first numel % N ranks own
+    one more: shard_bounds(10, 4, r) for r = 0..3 is (0, 3), (3, 6), (6, 8), (8, 10)), so
+    shard_bounds(3, 4, 3) == (3, 3): rank 3 owns nothing of a 3-element bias, and the ring
+    simply skips empty chunks. The N shards tile [0, numel) in rank order, without overlap."""
     return collectives.chunk_bounds(numel, world_size)[rank]
 
 
+# exercise zero1-step (continued)
 def reduce_scatter_mean(grad: torch.Tensor, traffic: collectives.Traffic) -> torch.Tensor:
     """This rank's shard of the data-parallel average of `grad` (any shape, n elements, the
     same shape on every rank): lesson 01's ring reduce-scatter of the flattened gradient
     divided by N, shape (end - start,) with shard_bounds(n, N, rank). Sends (N-1)/N x n
-    elements: half an all-reduce."""
+    elements: half an all-reduce. `grad` is not modified. Formula: with g_j rank j's
+    gradient, the result is (1/N) sum_j g_j.reshape(-1)[start:end]."""
     return collectives.ring_reduce_scatter(grad.reshape(-1), traffic) / dist.get_world_size()
 
 
@@ -132,6 +145,7 @@ class ZeroStage1:
         self.all_gather_parameters()  # my updated shard -> the full parameters, on every rank
         return norm
 
+    # exercise zero1-step (continued)
     def reduce_scatter_gradients(self) -> None:
         """For every parameter: shard.grad = `reduce_scatter_mean(param.grad)`, shape
         (end - start,), the data-parallel average of this rank's slice; then param.grad =
@@ -141,6 +155,7 @@ class ZeroStage1:
             shard.grad = reduce_scatter_mean(param.grad, self.traffic)
             param.grad = None
 
+    # exercise zero1-step (continued)
     def step_shards(self, scaler: torch.amp.GradScaler | None = None) -> None:
         """Adam on this rank's shards: optimizer.step(), or scaler.step(optimizer), which
         unscales the shard gradients and skips the step on inf/nan. With N > 1 the skip must
@@ -151,10 +166,12 @@ class ZeroStage1:
         else:
             scaler.step(self.optimizer)
 
+    # exercise zero1-step (continued)
     def all_gather_parameters(self) -> None:
         """For every parameter: lesson 01's ring all-gather of the N updated shards, copied
-        into the full parameter (n elements, the same on every rank after the call).
-        Sends (N-1)/N Psi elements in all."""
+        into the full parameter (n elements, the same on every rank after the call): the
+        slice [start, end) of rank r's copy comes from rank r's shard, every slice on every
+        rank. In place (param keeps its tensor; no autograd). Sends (N-1)/N Psi elements."""
         for (_, param), shard in zip(self.named, self.shards):
             full = collectives.ring_all_gather(shard.detach(), param.numel(), self.traffic)
             with torch.no_grad():
@@ -180,15 +197,23 @@ class ZeroStage2(ZeroStage1):
         super().__init__(model, lr)
         self.install_hooks()
 
+    # exercise zero2-hook (3 points): ZeRO-2: reduce-scatter each gradient as backward makes it
+    # hint: `param.register_post_accumulate_grad_hook(hook)` runs hook(param) once param.grad
+    #   is complete; bind `index` in a closure (a hook per parameter); reduce with
+    #   `reduce_scatter_mean`, then free the full gradient with param.grad = None.
     def install_hooks(self) -> None:
+        """Register `shard_gradient_hook(index)` as the post-accumulate-grad hook of parameter
+        `index` of `named`, for every parameter (called once, by __init__)."""
         for index, (_, param) in enumerate(self.named):
             param.register_post_accumulate_grad_hook(self.shard_gradient_hook(index))
 
+    # exercise zero2-hook (continued)
     def shard_gradient_hook(self, index: int):
         """The hook for parameter `index`, hook(param) -> None, run by autograd once
         param.grad (n elements) is complete: add `reduce_scatter_mean(param.grad)` to
-        shards[index].grad (sum over micro-batches when accumulating), then param.grad = None.
-        Sends (N-1)/N n elements per call."""
+        shards[index].grad (sum over micro-batches when accumulating: two backwards without a
+        zero_grad leave the sum of both averages), then param.grad = None, so that after every
+        backward no parameter holds a gradient. Sends (N-1)/N n elements per call."""
         def hook(param: torch.Tensor) -> None:
             grad = reduce_scatter_mean(param.grad, self.traffic)
             shard = self.shards[index]
@@ -203,10 +228,20 @@ class ZeroStage2(ZeroStage1):
 # ============================================================================ 5. what ZeRO-3 adds
 
 
+# exercise zero3-hooks (5 points): ZeRO-3: gather before use, free after, regather for backward
+# hint: forward is lesson 01's all-gather (detach the shard), backward `reduce_scatter_mean`
+#   plus dropping `regathered[index]`; the forward pre-hook sets each attribute to
+#   `self.gather(index)` and enters `torch.autograd.graph.saved_tensors_hooks(pack, unpack)`,
+#   pack matching a saved tensor to a gathered weight by `untyped_storage().data_ptr()`; the
+#   forward hook leaves it, sets the attributes to None and registers `regather_hook` on the output.
 class _GatherParameter(torch.autograd.Function):
     """shard (n_r,) -> full parameter (n,) by a ring all-gather. Backward: the full gradient
     (n,) is reduce-scattered and averaged into the shard's gradient, and the copy of the
-    parameter gathered again for this layer's backward is dropped."""
+    parameter gathered again for this layer's backward is dropped.
+    forward(ctx, shard, numel, zero, index) -> lesson 01's ring all-gather of shard.detach()
+    into (numel,), counted in zero.traffic; keep zero and index on ctx.
+    backward(ctx, grad_full (numel,)) -> (`reduce_scatter_mean(grad_full)` (n_r,), None, None,
+    None), after removing entry `index` from zero.regathered (if present)."""
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, numel: int, zero: ZeroStage3, index: int) -> torch.Tensor:
@@ -252,11 +287,15 @@ class ZeroStage3(ZeroStage2):
         full = _GatherParameter.apply(self.shards[index], self.shapes[index].numel(), self, index)
         return full.view(self.shapes[index])
 
+    # exercise zero3-hooks (continued)
     def gather_parameters_hook(self, entries: list[tuple[str, int]]):
         """Forward pre-hook of a layer owning `entries` [(attribute, parameter index)]: set each
         attribute to `gather(index)` and enter saved-tensor hooks under which autograd saves a
         recipe (index, size, stride, offset) for any view of a gathered parameter instead of
-        its bytes; activations are saved as usual. Sends (N-1)/N n per parameter."""
+        its bytes; activations are saved as usual. Sends (N-1)/N n per parameter.
+        The hooks object goes on the stack `saved_tensor_hooks` (entered here, left by
+        `free_parameters_hook`); unpack turns a recipe back into a view of regathered[index]
+        by as_strided(size, stride, offset). Returns hook(module, args) -> None."""
         def hook(module: nn.Module, args) -> None:
             storages = {}
             for attr, index in entries:
@@ -280,9 +319,12 @@ class ZeroStage3(ZeroStage2):
             self.saved_tensor_hooks[-1].__enter__()
         return hook
 
+    # exercise zero3-hooks (continued)
     def free_parameters_hook(self, entries: list[tuple[str, int]]):
         """Forward hook: leave the saved-tensor hooks, set the attributes back to None (the
-        full weights are freed), and hook the layer's output so that backward regathers them."""
+        full weights are freed), and hook the layer's output so that backward regathers them:
+        output.register_hook(`regather_hook(entries)`) when the output requires grad.
+        Returns hook(module, args, output) -> None."""
         def hook(module: nn.Module, args, output: torch.Tensor) -> None:
             self.saved_tensor_hooks.pop().__exit__(None, None, None)
             for attr, _ in entries:
@@ -291,9 +333,11 @@ class ZeroStage3(ZeroStage2):
                 output.register_hook(self.regather_hook(entries))
         return hook
 
+    # exercise zero3-hooks (continued)
     def regather_hook(self, entries: list[tuple[str, int]]):
         """Tensor hook on a layer's output, run just before the layer's backward: all-gather
-        each of its parameters into `regathered[index]` (full shape). Sends (N-1)/N n each."""
+        each of its parameters into `regathered[index]` (full shape, `gather(index)` detached:
+        no second gradient path). Sends (N-1)/N n each. Returns hook(grad_output) -> None."""
         def hook(grad_output: torch.Tensor) -> None:
             for _, index in entries:
                 self.regathered[index] = self.gather(index).detach()
@@ -317,6 +361,9 @@ class ZeroAdam(ZeroStage1):
 # ============================================================================ 6. clipping shards
 
 
+# exercise sharded-clip (3 points): Global-norm gradient clipping on shards
+# hint: sum the squares locally, `dist.all_reduce` one number (the sum over ranks), take the
+#   square root; the scale is capped at 1, so small gradients are left alone.
 def sharded_clip_grad_norm_(shard_grads: list[torch.Tensor], max_norm: float,
                             group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip by the global 2-norm when each rank of `group` holds only shards of the gradient.
@@ -347,6 +394,7 @@ def sharded_clip_grad_norm_(shard_grads: list[torch.Tensor], max_norm: float,
 # ============================================================================ 7. communication
 
 
+# exercise zero-formulas (continued)
 def zero_communication_elements(stage: str, num_params: float) -> float:
     """Elements each rank moves per step in the paper's accounting (a reduce-scatter or an
     all-gather of Psi counts Psi): DP and stages 1-2 reduce-scatter the gradients and
