@@ -155,14 +155,14 @@ def accumulation_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: t
     the rank's share of the step's global batch. `ddp` wraps `model` and has `no_sync()`. Per
     micro-batch: forward through `ddp` (never `model`: that skips DDP's all-reduce) and the
     mean cross-entropy over its b x s positions (under bf16 autocast on CUDA, which runs
-    cross_entropy in fp32), backward of loss / accum. All but
-    the last run under `ddp.no_sync()`, so their gradients add up locally and the last
-    backward all-reduces (averages over p ranks) the sum: .grad = (1/p) sum_r (1/accum)
-    sum_m grad(loss of micro-batch m of rank r), the gradient of the global batch's mean loss,
-    to float rounding. Then global-norm clipping: every gradient times min(1, clip / (||g|| +
-    1e-6)), ||g|| the 2-norm over all parameters (torch's clip_grad_norm_; after the
-    all-reduce each rank holds the whole gradient, so its local norm is the global one; under
-    ZeRO a rank must all-reduce its shard's sum of squares first, lesson 03). Then, once each,
+    cross_entropy in fp32), backward of loss / accum. All but the last run under
+    `ddp.no_sync()`, so their gradients add up locally and the last backward all-reduces
+    (averages over p ranks) the sum: .grad = (1/p) sum_r (1/accum) sum_m grad(loss of
+    micro-batch m of rank r), the gradient of the global batch's mean loss, to float
+    rounding. Then global-norm clipping: every gradient times min(1, clip / (||g|| + 1e-6)),
+    ||g|| the 2-norm over all parameters (torch's clip_grad_norm_; after the all-reduce each
+    rank holds the whole gradient, so its local norm is the global one; under ZeRO a rank
+    must all-reduce its shard's sum of squares first, lesson 03). Then, once each,
     optimizer.step(), scheduler.step(), optimizer.zero_grad().
 
     Cost: accum forwards and backwards of global_batch / (p accum) sequences and ONE
@@ -297,10 +297,10 @@ def resume(trainer: GPTTrainer, ckpt_dir: Path, reshard: bool) -> int:
     it). Lesson 06's verified load first (checkpointing.load_latest with trainer.world,
     `reshard` and trainer.config.fingerprint()): manifest, sizes, sha256 and the run's
     fingerprint, another world size refused unless `reshard`; a CheckpointError names the file
-    before any tensor is used. Then trainer.load_shards(every shard). Rank 0 removes step directories
-    newer than the resumed step (checkpointing.discard_newer_than: rotation by step number
-    would keep them over the new run's checkpoints); every rank waits for that (a barrier).
-    Returns the resumed step."""
+    before any tensor is used. Then trainer.load_shards(every shard). Rank 0 removes the step
+    directories newer than the resumed step (checkpointing.discard_newer_than: rotation by
+    step number would keep them over the new run's checkpoints); every rank waits for that
+    (a barrier). Returns the resumed step."""
     _, shards = checkpointing.load_latest(ckpt_dir, trainer.world, reshard, trainer.config.fingerprint())
     trainer.load_shards(shards)
     if trainer.rank == 0:
