@@ -124,11 +124,16 @@ def batch_for_step(data: torch.Tensor, config: GPTRunConfig, step: int, rank: in
 # ============================================================================ 2. model and optimizer
 
 
+# exercise decay-groups (2 points): AdamW's parameter groups by nanoGPT's rule
+# hint: decide by p.dim(), not by the parameter's name.
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's parameter groups by nanoGPT's rule (model.py, configure_optimizers): every
     tensor of 2 or more dimensions decays (the matmul weights and the embedding tables, the
     tied token table once), the 1-D ones do not (biases, LayerNorm gains and shifts).
 
+    Returns [{"params": [...], "weight_decay": weight_decay}, {"params": [...],
+    "weight_decay": 0.0}], in that order: every trainable parameter (requires_grad) of
+    `model` in exactly one group (model.parameters() yields a tied tensor once). Mutates nothing.
     Decoupled weight decay shrinks a weight by lr x weight_decay x w each step; a LayerNorm
     gain pulled toward 0 shrinks the signal itself, and a bias has no scale to regularise."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -139,6 +144,8 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 # ============================================================================ 3. the training step
 
 
+# exercise accumulation-step (4 points): The step: accumulation under no_sync, then global-norm clipping
+# hint: only the last micro-batch's backward may all-reduce; clip once, on the full sum.
 def accumulation_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       scheduler, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                       clip: float) -> torch.Tensor:
@@ -146,16 +153,17 @@ def accumulation_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: t
 
     micro_batches: [(tokens (b, s), targets (b, s))], long, on the model's device, equal sizes:
     the rank's share of the step's global batch. `ddp` wraps `model` and has `no_sync()`. Per
-    micro-batch: forward through `ddp` and cross-entropy over every position (under bf16
-    autocast on CUDA, which runs cross_entropy in fp32), backward of loss / accum. All but
-    the last run under `ddp.no_sync()`, so their gradients add up locally and the last
-    backward all-reduces (averages over p ranks) the sum: .grad = (1/p) sum_r (1/accum)
-    sum_m grad(loss of micro-batch m of rank r), the gradient of the global batch's mean loss,
-    to float rounding. Then global-norm clipping: every gradient times min(1, clip / (||g|| +
-    1e-6)), ||g|| the 2-norm over all parameters (torch's clip_grad_norm_; after the
-    all-reduce each rank holds the whole gradient, so its local norm is the global one; under
-    ZeRO a rank must all-reduce its shard's sum of squares first, lesson 03). Then
-    optimizer.step(), scheduler.step(), zero_grad().
+    micro-batch: forward through `ddp` (never `model`: that skips DDP's all-reduce) and the
+    mean cross-entropy over its b x s positions (under bf16 autocast on CUDA, which runs
+    cross_entropy in fp32), backward of loss / accum. All but the last run under
+    `ddp.no_sync()`, so their gradients add up locally and the last backward all-reduces
+    (averages over p ranks) the sum: .grad = (1/p) sum_r (1/accum) sum_m grad(loss of
+    micro-batch m of rank r), the gradient of the global batch's mean loss, to float
+    rounding. Then global-norm clipping: every gradient times min(1, clip / (||g|| + 1e-6)),
+    ||g|| the 2-norm over all parameters (torch's clip_grad_norm_; after the all-reduce each
+    rank holds the whole gradient, so its local norm is the global one; under ZeRO a rank
+    must all-reduce its shard's sum of squares first, lesson 03). Then, once each,
+    optimizer.step(), scheduler.step(), optimizer.zero_grad().
 
     Cost: accum forwards and backwards of global_batch / (p accum) sequences and ONE
     all-reduce of the gradients (2 (p-1)/p x 4N bytes), not accum of them.
@@ -226,14 +234,20 @@ class GPTTrainer:
         return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))
 
     # ------------------------------------------------------------- 4. what a checkpoint holds
+    # exercise checkpoint-resume (5 points): The checkpoint's state and the resume
+    # hint: shard_state slices each flattened tensor with zero.shard_bounds and copies it to
+    #   the CPU; the optimizer's moments are in self.optimizer.state[param].
     def shard_state(self) -> dict:
         """This rank's part of a checkpoint (lesson 06's Checkpointer serialises it):
-        {"step", "rank", "world_size", "fingerprint", "params", "exp_avg", "exp_avg_sq":
-        {name: 1-D CPU copy of the rank's slice}, "adam_step": {name: AdamW's step counter},
-        "scheduler": LambdaLR state, "lr": [each group's LR], "rng": lesson 06's rng_state()}.
+        {"step": self.step, "rank": self.rank, "world_size": self.world, "fingerprint":
+        self.config.fingerprint(), "params", "exp_avg", "exp_avg_sq": {name: 1-D CPU copy of
+        the rank's slice of that tensor, flattened}, "adam_step": {name: CPU copy of AdamW's
+        step counter}, "scheduler": self.scheduler.state_dict(), "lr": [each param group's
+        "lr"], "rng": checkpointing.rng_state(*self.rng_device)}, names from self.named.
         DDP replicates every tensor, yet rank r saves only flat[start:end], (start, end) =
-        zero.shard_bounds(numel, p, r): the ranks write in parallel and the checkpoint holds
-        each number once (3 x 4N bytes in all, not p times that). No moments before step 1."""
+        zero.shard_bounds(numel, p, r) with (p, r) = (self.world, self.rank): the ranks write
+        in parallel and the checkpoint holds each number once (3 x 4N bytes in all, not p times
+        that). No moments (and no adam_step entries) before step 1. Mutates nothing."""
         slices: dict[str, dict] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}, "adam_step": {}}
         for name, param in self.named:
             start, end = zero.shard_bounds(param.numel(), self.world, self.rank)
@@ -249,13 +263,18 @@ class GPTTrainer:
                 "lr": [group["lr"] for group in self.optimizer.param_groups],
                 "rng": checkpointing.rng_state(*self.rng_device)}
 
+    # exercise checkpoint-resume (continued)
+    # hint: load_shards restores the LR itself too, and the RNG only when len(shards) == self.world.
     def load_shards(self, shards: list[dict]) -> None:
         """Continue from every saved rank's shard_state(), in rank order (any N, also N != p):
         each full tensor is torch.cat of its N slices (exact) in the parameter's shape, copied
-        into the parameter and AdamW's state (with its step counter). Then the step, the
-        scheduler and the LR itself (the scheduler's state lacks the LR it last wrote: the
-        first resumed step would run at the initial LR, lesson 06). RNG states only when
-        N == p: rank r's dropout stream means nothing in another layout."""
+        into the parameter (in place) and AdamW's state self.optimizer.state[param] =
+        {"step", "exp_avg", "exp_avg_sq"} (none for a checkpoint saved before step 1). Then
+        self.step, the scheduler (load_state_dict) and each group's "lr" itself (the
+        scheduler's state lacks the LR it last wrote: the first resumed step would run at the
+        initial LR, lesson 06). The RNG states (checkpointing.set_rng_state with rank r's
+        "rng", r = self.rank) only when N == p = self.world: rank r's dropout stream means
+        nothing in another layout."""
         for name, param in self.named:
             full = {key: torch.cat([s[key][name] for s in shards]).view_as(param).to(param.device)
                     for key in ("params", "exp_avg", "exp_avg_sq") if name in shards[0][key]}
@@ -271,13 +290,17 @@ class GPTTrainer:
             checkpointing.set_rng_state(shards[self.rank]["rng"], *self.rng_device)
 
 
+# exercise checkpoint-resume (continued)
+# hint: resume is lesson 06's load_latest, then load_shards, then discard_newer_than on rank 0.
 def resume(trainer: GPTTrainer, ckpt_dir: Path, reshard: bool) -> int:
     """Continue `trainer` from `ckpt_dir`'s latest checkpoint (a collective: every rank calls
-    it). Lesson 06's verified load first: manifest, sizes, sha256 and the run's fingerprint,
-    another world size refused unless `reshard`; a CheckpointError names the file before any
-    tensor is used. Then trainer.load_shards(every shard). Rank 0 removes step directories
-    newer than the resumed step (rotation by step number would keep them over the new run's
-    checkpoints). Returns the resumed step."""
+    it). Lesson 06's verified load first (checkpointing.load_latest with trainer.world,
+    `reshard` and trainer.config.fingerprint()): manifest, sizes, sha256 and the run's
+    fingerprint, another world size refused unless `reshard`; a CheckpointError names the file
+    before any tensor is used. Then trainer.load_shards(every shard). Rank 0 removes the step
+    directories newer than the resumed step (checkpointing.discard_newer_than: rotation by
+    step number would keep them over the new run's checkpoints); every rank waits for that
+    (a barrier). Returns the resumed step."""
     _, shards = checkpointing.load_latest(ckpt_dir, trainer.world, reshard, trainer.config.fingerprint())
     trainer.load_shards(shards)
     if trainer.rank == 0:
@@ -339,18 +362,24 @@ def peak_flops_for(device_name: str) -> float | None:
     return DEVICE_PEAK_FLOPS.get(device_name)
 
 
+# exercise flops-mfu (2 points): The cost model: FLOPs per token and MFU
+# hint: forward 2N, backward 4N; MFU compares with the peak of all the ranks together.
 def matmul_params(model: memory.TinyGPT) -> int:
-    """N for 6N: every parameter but the position table (an add, not a matmul); the tied
-    token embedding counts once, for the output head's matmul."""
+    """N for 6N: every parameter of `model` but the position table model.pos (an add, not a
+    matmul); the tied token embedding model.embed counts once, for the output head's matmul
+    (its lookup is not a matmul). An int."""
     return sum(p.numel() for p in model.parameters()) - model.pos.weight.numel()
 
 
+# exercise flops-mfu (continued)
 def flops_per_token(n_params: int, layers: int, hidden: int, seq: int) -> int:
-    """Training FLOPs per token (PaLM, appendix B): 6N for the weight matmuls, forward and
-    backward, plus 12 L H Q T for attention scores and values (H Q = hidden, T = seq)."""
+    """Training FLOPs per token (PaLM, appendix B): 6N for the weight matmuls (2N forward:
+    a multiply and an add per weight; 4N backward: the gradients of the inputs and of the
+    weights), plus 12 L H Q T for attention scores and values (H Q = hidden, T = seq). An int."""
     return 6 * n_params + 12 * layers * hidden * seq
 
 
+# exercise flops-mfu (continued)
 def mfu(tokens_per_s: float, per_token: int, world: int, peak: float | None) -> float | None:
     """Model FLOPs utilisation: the share of the ranks' combined peak that the model's own
     FLOPs use, tokens_per_s x per_token / (world x peak), with tokens_per_s over all ranks,
