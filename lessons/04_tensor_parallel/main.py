@@ -92,12 +92,16 @@ class TensorParallelGroup:
 # ============================================================================ 2. f and g
 
 
+# exercise f-and-g (3 points): Megatron's f and g, the conjugate pair of autograd functions
+# hint: f is the identity forward and an all-reduce backward, g the reverse; backward
+#   returns one gradient per forward input (None for tp).
 class CopyToTensorParallel(torch.autograd.Function):
     """Megatron's f, before a column-parallel layer (Shoeybi et al. 2019, section 3).
 
     forward(x, tp): x (..., h), the same on every rank -> x (identity, nothing sent).
     backward: rank r's dL/dx = dY_r A_r covers only its output features, a partial sum:
-    all-reduce it (2(p-1)/p |x| bytes) so every rank holds the full dL/dx.
+    all-reduce it (2(p-1)/p |x| bytes) so every rank holds the full dL/dx. Returns
+    (dL/dx, None). Communicate through `tp` (`tp.all_reduce`: lesson 01's ring, counted).
     """
 
     @staticmethod
@@ -110,11 +114,13 @@ class CopyToTensorParallel(torch.autograd.Function):
         return ctx.tp.all_reduce(grad), None
 
 
+# exercise f-and-g (continued)
 class ReduceFromTensorParallel(torch.autograd.Function):
     """Megatron's g, after a row-parallel layer: the mirror image of f.
 
     forward(x, tp): x (..., h), this rank's partial sum -> the sum over the group (all-reduce,
-    2(p-1)/p |x| bytes). backward: identity (every rank needs the same dL/dY).
+    2(p-1)/p |x| bytes, through `tp.all_reduce`). backward: identity, (dL/dY, None), nothing
+    sent: every rank already holds the same dL/dY, and summing it would count it p times.
     """
 
     @staticmethod
@@ -147,15 +153,20 @@ def copy_then_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return F.linear(CopyToTensorParallel.apply(x, tp), weight, bias)
 
 
+# exercise parallel-linears (4 points): Column- and row-parallel linear layers
+# hint: shard_rows / shard_cols cut the shards; the row-parallel bias is added once,
+#   after the partial products are summed.
 class ColumnParallelLinear(nn.Module):
     """Y_r = X A_r^T + b_r: A (out, in) split by rows (output features) over the group.
 
     `dense`: one nn.Linear, or several reading the same input (Q, K, V, fused as Megatron fuses
     QKV); rank r keeps rows [r out/p, (r+1) out/p) of each, side by side: parameters weight
-    (k out/p, in) and bias (k out/p,) for k layers, so x (..., in) -> (..., k out/p).
-    `enter(x, weight, bias, tp)` brings the input in and multiplies: `copy_then_linear` (f:
-    nothing sent forward, dX all-reduced backward) or a sequence-parallel entry. 1/p of the
-    FLOPs and weights. out_features not divisible by p: ValueError.
+    (k out/p, in) and bias (k out/p,) for k layers, so x (..., in) -> (..., k out/p), the
+    layers' slices in order ([q_r | k_r | v_r] for QKV). Copies, never views of `dense`.
+    `enter(x, weight, bias, tp)` brings the input in and multiplies; forward returns what it
+    returns: `copy_then_linear` (f: nothing sent forward, dX all-reduced backward) or a
+    sequence-parallel entry. 1/p of the FLOPs and weights. Some out_features not divisible
+    by p: ValueError.
     """
 
     def __init__(self, dense: nn.Linear | Sequence[nn.Linear], tp: TensorParallelGroup,
@@ -175,14 +186,16 @@ class ColumnParallelLinear(nn.Module):
         return self.enter(x, self.weight, self.bias, self.tp)
 
 
+# exercise parallel-linears (continued)
 class RowParallelLinear(nn.Module):
     """Y = sum_r X_r B_r^T + b: B (out, in) split by columns (input features) over the group.
 
-    Parameters weight (out, in/p), columns [r in/p, (r+1) in/p), and bias (out,), replicated.
-    x (..., in/p), the slice a column-parallel layer left -> (..., out): the partial products
-    are summed by `leave.apply(partial, tp)` (g: all-reduce forward, 2(p-1)/p |y| bytes,
-    nothing backward; or sequence parallelism's reduce-scatter); the bias is added once,
-    after the sum. in_features not divisible by p: ValueError.
+    Parameters weight (out, in/p), columns [r in/p, (r+1) in/p), and bias (out,), replicated
+    (copies of `dense`'s). x (..., in/p), the slice a column-parallel layer left -> (..., out):
+    the partial products are summed by `leave.apply(partial, tp)`, called once per forward
+    (g: all-reduce forward, 2(p-1)/p |y| bytes, nothing backward; or sequence parallelism's
+    reduce-scatter); the bias is added once, after the sum. in_features not divisible by p:
+    ValueError.
     """
 
     def __init__(self, dense: nn.Linear, tp: TensorParallelGroup,
@@ -216,6 +229,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: i
     return out.permute(2, 0, 1, 3).reshape(s, b, width)
 
 
+# exercise tp-block (4 points): The tensor-parallel transformer block (heads and MLP split)
+# hint: the fused QKV output on rank r is [q_r | k_r | v_r], each holding this rank's H/p heads.
 class TensorParallelBlock(nn.Module):
     """A pre-norm transformer block split over the group's p ranks (Megatron-LM).
 
@@ -227,8 +242,9 @@ class TensorParallelBlock(nn.Module):
     row-parallel. MLP: up column-parallel, GeLU on the local 4h/p slice, down row-parallel.
     LayerNorms and the residual stream replicated (their gradients come out the same on every
     rank). Parameters ln1, ln2, qkv, o, up, down. f enters each region and g leaves it
-    (`enter`, `leave`): 2 all-reduces of s b h forward, 2 backward. Heads not divisible by p:
-    ValueError naming both numbers.
+    (`enter`, `leave`: pass them to every parallel linear): 2 all-reduces of s b h forward, 2
+    backward. Attributes heads (this rank's H/p) and tp. Heads not divisible by p: ValueError
+    "... must be divisible ..." naming both numbers, before anything is built.
     """
 
     def __init__(self, dense: nn.Module, tp: TensorParallelGroup,
@@ -254,6 +270,9 @@ class TensorParallelBlock(nn.Module):
 # ============================================================================ 5. sequence parallel
 
 
+# exercise sp-conversions (3 points): Sequence parallelism's gather, reduce-scatter and gradients
+# hint: the gather's backward is the reduce-scatter's forward and vice versa; tp's gathers
+#   and scatters work on dim 0, the sequence.
 class GatherFromSequenceParallel(torch.autograd.Function):
     """Sequence parallelism's entry into a parallel region, replacing f (Korthikanti et al.).
 
@@ -272,6 +291,7 @@ class GatherFromSequenceParallel(torch.autograd.Function):
         return ctx.tp.reduce_scatter(grad), None
 
 
+# exercise sp-conversions (continued)
 class ReduceScatterToSequenceParallel(torch.autograd.Function):
     """Sequence parallelism's exit from a parallel region, replacing g.
 
@@ -296,12 +316,16 @@ def gather_then_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return F.linear(GatherFromSequenceParallel.apply(x, tp), weight, bias)
 
 
+# exercise save-the-shard (4 points): Gather, matmul, and save only the shard (Megatron-LM)
+# hint: save the shard and gather it again in backward; flatten X and dY to 2-D for dW.
 class GatherLinearSaveShard(torch.autograd.Function):
     """The entry as Megatron-LM builds it: Y = AllGather(X_r) W^T + b, saving only X_r.
 
     forward(x, weight, bias, tp): x (s/p, b, h), weight (n, h), bias (n,) -> (s, b, n); saves
-    x (s b h / p) instead of the gathered input (s b h). backward gathers x again ((p-1)/p
-    s b h more sent) for dW = dY^T X and db = sum dY, and reduce-scatters dX = dY W.
+    x (s b h / p) instead of the gathered input (s b h). backward(dY (s, b, n)) gathers x
+    again ((p-1)/p s b h more sent) for dW = dY^T X (n, h) and db = sum dY (n,), and
+    reduce-scatters dX = dY W, a partial sum over this rank's n features, to (s/p, b, h):
+    returns (dX_r, dW, db, None). Every collective through `tp` (counted).
     """
 
     @staticmethod
@@ -334,11 +358,13 @@ class SequenceParallelBlock(TensorParallelBlock):
                          ReduceScatterToSequenceParallel)
 
 
+# exercise sp-conversions (continued)
 def all_reduce_sequence_parallel_grads(block: TensorParallelBlock) -> int:
     """The replicated parameters used on s/p positions (both LayerNorms, the row-parallel
     biases added after the reduce-scatter) have partial-sum gradients: sum the six h-vectors
-    with ONE all-reduce of them flattened (as Megatron-LM's finalize_model_grads does).
-    Returns how many gradients were reduced."""
+    (ln1, ln2 weight and bias; o.bias, down.bias) with ONE `block.tp.all_reduce` of them
+    flattened (as Megatron-LM's finalize_model_grads does); each .grad becomes its sum (same
+    shape), every other gradient is left alone. Returns how many gradients were reduced."""
     replicated = [block.ln1.weight, block.ln1.bias, block.ln2.weight, block.ln2.bias,
                   block.o.bias, block.down.bias]
     flat = block.tp.all_reduce(torch.cat([p.grad.reshape(-1) for p in replicated]))

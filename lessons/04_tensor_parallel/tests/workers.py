@@ -1,13 +1,50 @@
-"""Functions that lesson 04's tests run on spawned ranks (importable by their dotted name)."""
+"""Functions that lesson 04's tests run on spawned ranks (importable by their dotted name).
+
+One worker per exercise. Each tests its exercise alone: every other piece it needs is either
+given (TensorParallelGroup, lesson 01's rings) or an oracle written here on torch.distributed's
+own collectives, so a mistake in one exercise fails that exercise's tests and no other's.
+Tensors every rank needs for the expected values (another rank's input or gradient) are made
+from seeds, never received from the code under test.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import types
+from unittest import mock
 
+import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 M = importlib.import_module("lessons.04_tensor_parallel.main")
 C = importlib.import_module("lessons.04_tensor_parallel.checks")
+collectives = importlib.import_module("lessons.01_collectives.main")
+
+
+def gap(ours, expected) -> float:
+    """max |ours - expected|; inf when the shapes differ or `ours` is missing."""
+    if not isinstance(ours, torch.Tensor) or ours.shape != expected.shape:
+        return float("inf")
+    return float((ours.detach() - expected).abs().max()) if ours.numel() else 0.0
+
+
+def per_rank(seed: int, world: int, *shape: int) -> list[torch.Tensor]:
+    """One float64 tensor per rank, the same list on every rank (so each can check the others)."""
+    return [torch.randn(*shape, generator=torch.Generator().manual_seed(seed + 1000 * r),
+                        dtype=torch.float64) for r in range(world)]
+
+
+def backward(y: torch.Tensor, grad: torch.Tensor) -> None:
+    """Backpropagate `grad` into y, as a loss sum(y * grad): y.backward(grad) would import
+    sympy on its first call (torch's shape checks), seconds per rank on a busy machine."""
+    (y * grad).sum().backward()
+
+
+def ring_bytes(numel: int, world: int, rank: int, kind: str) -> int:
+    return collectives.ring_bytes_sent(numel, 8, world, rank)[kind]
 
 
 def all_checks(ctx, seq: int, batch: int, hidden: int, heads: int) -> dict:
@@ -18,6 +55,276 @@ def all_checks(ctx, seq: int, batch: int, hidden: int, heads: int) -> dict:
     if ctx.world_size == 4:
         result["sub_groups"] = [sub_groups(ctx, save_shard) for save_shard in (False, True)]
     return result
+
+
+# ============================================================================ exercise f-and-g
+
+
+def f_and_g(ctx) -> dict:
+    """f on an input that is the same on every rank, g on one that differs; each backward fed
+    a gradient that differs per rank (f) or is the same everywhere (g). Bytes per direction."""
+    p, r = ctx.world_size, ctx.rank
+    tp = M.TensorParallelGroup.join()
+    xs, grads = per_rank(1, p, 3, 2, 4), per_rank(2, p, 3, 2, 4)
+    out = {}
+    x = xs[0].clone().requires_grad_()
+    y = M.CopyToTensorParallel.apply(x, tp)
+    out["f_forward_bytes"] = tp.traffic.bytes_sent
+    backward(y, grads[r])
+    out["f_backward_bytes"] = tp.traffic.bytes_sent - out["f_forward_bytes"]
+    out["f_out_gap"], out["f_grad_gap"] = gap(y, xs[0]), gap(x.grad, sum(grads))
+    sent = tp.traffic.bytes_sent
+    x = xs[r].clone().requires_grad_()
+    y = M.ReduceFromTensorParallel.apply(x, tp)
+    out["g_forward_bytes"] = tp.traffic.bytes_sent - sent
+    backward(y, grads[0])
+    out["g_backward_bytes"] = tp.traffic.bytes_sent - sent - out["g_forward_bytes"]
+    out["g_out_gap"], out["g_grad_gap"] = gap(y, sum(xs)), gap(x.grad, grads[0])
+    out["all_reduce_bytes"] = ring_bytes(xs[0].numel(), p, r, "all_reduce")
+    return out
+
+
+# ============================================================================ oracles
+
+
+class OracleReduce(torch.autograd.Function):
+    """g on torch's all_reduce; counts its forwards (one per row-parallel layer)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        OracleReduce.calls += 1
+        out = x.clone()
+        dist.all_reduce(out, group=tp.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class OracleCopy(torch.autograd.Function):
+    """f on torch's all_reduce; counts its backwards (one per column-parallel layer)."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp = tp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        OracleCopy.calls += 1
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.tp.group)
+        return out, None
+
+
+def oracle_enter(x, weight, bias, tp):
+    return F.linear(OracleCopy.apply(x, tp), weight, bias)
+
+
+class OracleColumn(nn.Module):
+    def __init__(self, dense, tp, enter=oracle_enter):
+        super().__init__()
+        layers = [dense] if isinstance(dense, nn.Linear) else list(dense)
+        self.weight = nn.Parameter(torch.cat([one.weight.detach().chunk(tp.size)[tp.rank] for one in layers]))
+        self.bias = nn.Parameter(torch.cat([one.bias.detach().chunk(tp.size)[tp.rank] for one in layers]))
+        self.tp, self.enter = tp, enter
+
+    def forward(self, x):
+        return self.enter(x, self.weight, self.bias, self.tp)
+
+
+class OracleRow(nn.Module):
+    def __init__(self, dense, tp, leave=OracleReduce):
+        super().__init__()
+        self.weight = nn.Parameter(dense.weight.detach().chunk(tp.size, dim=1)[tp.rank].clone())
+        self.bias = nn.Parameter(dense.bias.detach().clone())
+        self.tp, self.leave = tp, leave
+
+    def forward(self, x):
+        return self.leave.apply(F.linear(x, self.weight), self.tp) + self.bias
+
+
+# ============================================================================ exercise parallel-linears
+
+
+def parallel_linears(ctx) -> dict:
+    """Column- and row-parallel layers against nn.Linear, given an `enter` without f and g on
+    torch's all_reduce (so only the layers are graded). Shapes, outputs, every gradient."""
+    p, r = ctx.world_size, ctx.rank
+    tp = M.TensorParallelGroup.join()
+    torch.manual_seed(5)
+    column_dense, row_dense = nn.Linear(12, 24).double(), nn.Linear(24, 12).double()
+    q, k, v = (nn.Linear(12, 12).double() for _ in range(3))
+    x, dy = per_rank(3, 1, 5, 2, 12)[0], per_rank(4, 1, 5, 2, 24)[0]
+    out: dict = {"enter_calls": 0}
+
+    def plain_enter(x_in, weight, bias, group):  # no f: the input gradient is not graded here
+        out["enter_calls"] += 1
+        return F.linear(x_in, weight, bias)
+
+    # column-parallel: rows [r 24/p, (r+1) 24/p) of the output features
+    column = M.ColumnParallelLinear(column_dense, tp, plain_enter)
+    features = slice(r * 24 // p, (r + 1) * 24 // p)
+    y = column(x)
+    out["column_enter_calls"] = out["enter_calls"]
+    backward(y, dy[..., features])
+    backward(column_dense(x), dy)
+    out["column_shapes"] = [tuple(column.weight.shape), tuple(column.bias.shape)]
+    out["column_out_gap"] = gap(y, column_dense(x).detach()[..., features])
+    out["column_grad_gap"] = max(gap(column.weight.grad, column_dense.weight.grad[features]),
+                                 gap(column.bias.grad, column_dense.bias.grad[features]))
+    out["column_copies"] = column.weight.data_ptr() != column_dense.weight.data_ptr()
+    # fused QKV: [q_r | k_r | v_r]
+    fused = M.ColumnParallelLinear([q, k, v], tp, plain_enter)
+    heads = slice(r * 12 // p, (r + 1) * 12 // p)
+    expected = torch.cat([layer(x).detach()[..., heads] for layer in (q, k, v)], dim=-1)
+    out["fused_out_gap"] = gap(fused(x), expected)
+    out["fused_shapes"] = [tuple(fused.weight.shape), tuple(fused.bias.shape)]
+    # row-parallel: input features [r 24/p, (r+1) 24/p), summed by an oracle g
+    OracleReduce.calls = 0
+    row = M.RowParallelLinear(row_dense, tp, OracleReduce)
+    x_full, dy_row = per_rank(6, 1, 5, 2, 24)[0].requires_grad_(), per_rank(7, 1, 5, 2, 12)[0]
+    x_local = x_full.detach()[..., features].clone().requires_grad_()
+    y = row(x_local)
+    out["leave_calls"] = OracleReduce.calls
+    backward(y, dy_row)
+    y_dense = row_dense(x_full)
+    backward(y_dense, dy_row)
+    out["row_shapes"] = [tuple(row.weight.shape), tuple(row.bias.shape)]
+    out["row_out_gap"] = gap(y, y_dense.detach())
+    out["row_grad_gap"] = max(gap(row.weight.grad, row_dense.weight.grad[:, features]),
+                              gap(row.bias.grad, row_dense.bias.grad))
+    out["row_input_grad_gap"] = gap(x_local.grad, x_full.grad[..., features])
+    out["errors"] = []
+    if p > 1:  # 2p + 1 features never divide over p > 1 ranks
+        for make in (lambda: M.ColumnParallelLinear(nn.Linear(4, 2 * p + 1), tp, plain_enter),
+                     lambda: M.RowParallelLinear(nn.Linear(2 * p + 1, 4), tp, OracleReduce)):
+            try:
+                make()
+                out["errors"].append("accepted")
+            except ValueError as exc:
+                out["errors"].append(type(exc).__name__)
+    return out
+
+
+# ============================================================================ exercise tp-block
+
+
+def tp_block(ctx, seq: int, batch: int, hidden: int, heads: int) -> dict:
+    """The block built on oracle layers, f and g (torch's all_reduce), against the dense block:
+    output, every gradient, the input gradient, and one f and one g per region."""
+    tp = M.TensorParallelGroup.join()
+    x = C.block_input(3, seq, batch, hidden, "cpu")
+    y_ref, grads_ref = C.dense_reference(3, hidden, heads, x)
+    OracleReduce.calls = OracleCopy.calls = 0
+    with mock.patch.object(M, "ColumnParallelLinear", OracleColumn), \
+            mock.patch.object(M, "RowParallelLinear", OracleRow):
+        block = M.TensorParallelBlock(C.make_dense(3, hidden, heads), tp, oracle_enter, OracleReduce)
+    local_x = x.clone().requires_grad_()
+    y = block(local_x)
+    reduces = OracleReduce.calls
+    (y * C.loss_weights(x.shape)).sum().backward()
+    grads = C.gather_gradients(block, ctx.world_size)
+    return {"out_gap": gap(y, y_ref), "input_grad_gap": gap(local_x.grad, grads_ref["input"]),
+            "grad_gaps": {name: gap(grads.get(name), grads_ref[name]) for name in grads_ref
+                          if name != "input"},
+            "parameters": sorted(name for name, _ in block.named_parameters()),
+            "forward_reduces": reduces, "backward_copies": OracleCopy.calls}
+
+
+# ============================================================================ exercise sp-conversions
+
+
+@dataclasses.dataclass
+class CountingGroup(M.TensorParallelGroup):
+    """The lesson's group, counting its all-reduces."""
+
+    all_reduces: int = 0
+
+    def all_reduce(self, x):
+        self.all_reduces += 1
+        return super().all_reduce(x)
+
+
+def sp_conversions(ctx) -> dict:
+    """The gather and the reduce-scatter along the sequence, forward and backward, against
+    tensors every rank builds from seeds; then the replicated gradients' all-reduce."""
+    p, r = ctx.world_size, ctx.rank
+    tp = M.TensorParallelGroup.join()
+    s, b, h = 2 * p, 2, 3
+    rows = slice(r * s // p, (r + 1) * s // p)
+    full = per_rank(1, 1, s, b, h)[0]
+    grads = per_rank(2, p, s, b, h)
+    out = {}
+    x = full[rows].clone().requires_grad_()
+    y = M.GatherFromSequenceParallel.apply(x, tp)
+    out["gather_forward_bytes"] = tp.traffic.bytes_sent
+    backward(y, grads[r])
+    out["gather_backward_bytes"] = tp.traffic.bytes_sent - out["gather_forward_bytes"]
+    out["gather_out_gap"], out["gather_grad_gap"] = gap(y, full), gap(x.grad, sum(grads)[rows])
+    sent = tp.traffic.bytes_sent
+    partials, local_grads = per_rank(3, p, s, b, h), per_rank(4, p, s // p, b, h)
+    x = partials[r].clone().requires_grad_()
+    y = M.ReduceScatterToSequenceParallel.apply(x, tp)
+    out["scatter_forward_bytes"] = tp.traffic.bytes_sent - sent
+    backward(y, local_grads[r])
+    out["scatter_backward_bytes"] = tp.traffic.bytes_sent - sent - out["scatter_forward_bytes"]
+    out["scatter_out_gap"] = gap(y, sum(partials)[rows])
+    out["scatter_grad_gap"] = gap(x.grad, torch.cat(local_grads))
+    out["all_gather_bytes"] = ring_bytes(s * b * h, p, r, "all_gather")
+    out["reduce_scatter_bytes"] = ring_bytes(s * b * h, p, r, "reduce_scatter")
+    # the six replicated gradients, each rank's different; o.weight's must stay its own
+    torch.manual_seed(0)
+    block = types.SimpleNamespace(ln1=nn.LayerNorm(h).double(), ln2=nn.LayerNorm(h).double(),
+                                  o=nn.Linear(h, h).double(), down=nn.Linear(4 * h, h).double(),
+                                  tp=CountingGroup(r, p))
+    names = ["ln1.weight", "ln1.bias", "ln2.weight", "ln2.bias", "o.bias", "down.bias", "o.weight"]
+    params = {name: getattr(getattr(block, name.split(".")[0]), name.split(".")[1]) for name in names}
+    values = {name: per_rank(10 + i, p, *param.shape) for i, (name, param) in enumerate(params.items())}
+    for name, param in params.items():
+        param.grad = values[name][r].clone()
+    out["reduced_count"] = M.all_reduce_sequence_parallel_grads(block)
+    out["replicated_gaps"] = {name: gap(params[name].grad, sum(values[name])) for name in names[:6]}
+    out["other_gap"] = gap(params["o.weight"].grad, values["o.weight"][r])
+    out["all_reduces"] = block.tp.all_reduces
+    return out
+
+
+# ============================================================================ exercise save-the-shard
+
+
+def save_the_shard(ctx) -> dict:
+    """GatherLinearSaveShard on this rank's rows, weights and output gradient, every rank's
+    made from seeds: output, the three gradients, bytes saved and sent."""
+    p, r = ctx.world_size, ctx.rank
+    tp = M.TensorParallelGroup.join()
+    s, b, h, n = 2 * p, 2, 4, 6
+    rows = slice(r * s // p, (r + 1) * s // p)
+    full = per_rank(1, 1, s, b, h)[0]
+    weights, biases, grads = per_rank(2, p, n, h), per_rank(3, p, n), per_rank(4, p, s, b, n)
+    x = full[rows].clone().requires_grad_()
+    weight, bias = weights[r].clone().requires_grad_(), biases[r].clone().requires_grad_()
+    with C.saved_tensor_bytes([weight, bias]) as saved:
+        y = M.GatherLinearSaveShard.apply(x, weight, bias, tp)
+    forward_bytes = tp.traffic.bytes_sent
+    backward(y, grads[r])
+    input_grad = sum(g @ w for g, w in zip(grads, weights))[rows]
+    return {"out_gap": gap(y, F.linear(full, weights[r], biases[r])),
+            "weight_grad_gap": gap(weight.grad, torch.einsum("sbn,sbh->nh", grads[r], full)),
+            "bias_grad_gap": gap(bias.grad, grads[r].sum((0, 1))),
+            "input_grad_gap": gap(x.grad, input_grad),
+            "saved_bytes": saved["bytes"], "shard_bytes": x.numel() * 8,
+            "forward_bytes": forward_bytes, "backward_bytes": tp.traffic.bytes_sent - forward_bytes,
+            "all_gather_bytes": ring_bytes(s * b * h, p, r, "all_gather"),
+            "reduce_scatter_bytes": ring_bytes(s * b * h, p, r, "reduce_scatter")}
+
+
+# ============================================================================ integration
 
 
 def sp_without_grad_all_reduce(ctx) -> float:
@@ -49,10 +356,3 @@ def sub_groups(ctx, save_shard: bool) -> dict:
             "out_gap": float((y.detach() - y_ref[rows]).abs().max()),
             "input_grad_gap": float((local_x.grad - grads_ref["input"][rows]).abs().max()),
             "ln_grad_gap": ln_gap}
-
-
-def saved_bytes(ctx, seq: int, batch: int, hidden: int, heads: int) -> dict:
-    """Bytes saved for backward by each form, measured with saved-tensor hooks."""
-    return {form: C.run_block(ctx, 3, seq, batch, hidden, heads, sp, shard)["saved"]
-            for form, (_, sp, shard) in C.FORMS.items()}
-
