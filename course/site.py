@@ -26,6 +26,7 @@ import json
 import re
 import shutil
 import subprocess
+import tempfile
 from html.parser import HTMLParser
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -143,13 +144,24 @@ def lesson_links(lesson: dict) -> dict[str, str]:
     return {key: f"../src/{lesson['paths'][key]}" for key in ("script", "tests", "notebook", "quiz")}
 
 
+def lesson_files(lesson: dict) -> list[str]:
+    """The lesson folder's own files a README may link to: its Python modules (technique,
+    checks, bench, trainer, figures) and its planted bugs."""
+    folder = REPO_ROOT / lesson["folder"]
+    return sorted(path.name for path in folder.iterdir()
+                  if path.is_file() and path.suffix in (".py", ".json") and path.name != "__init__.py")
+
+
 def copy_sources(out: Path, lesson: dict) -> None:
-    """The lesson's main.py, quiz, notebook and test files, as files the pages can link to."""
+    """The lesson's files (main.py, checks.py, ..., quiz, bugs), its notebook and test files, as
+    files the pages can link to."""
     for key in ("script", "quiz", "notebook", "docs"):
         source = REPO_ROOT / lesson["paths"][key]
         target = out / "src" / lesson["paths"][key]
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(source, target)
+    for name in lesson_files(lesson):
+        shutil.copy(REPO_ROOT / lesson["folder"] / name, out / "src" / lesson["folder"] / name)
     tests = REPO_ROOT / lesson["paths"]["tests"]
     listing = []
     for path in sorted(tests.rglob("*.py")):
@@ -162,28 +174,36 @@ def copy_sources(out: Path, lesson: dict) -> None:
     index.write_text(f"<!doctype html><meta charset=utf-8><title>tests</title><ul>{items}</ul>")
 
 
+_DRAWN: dict[str, tuple[Path, list[dict]]] = {}  # lesson folder -> (drawn files, figures)
+
+
 def lesson_figures(lesson: dict, out: Path) -> list[dict]:
-    """Draw a lesson's figures with its own figures.py into `out` (the site's figures folder
-    for the lesson). Returns [{"src" (relative to a lesson page), "alt", "caption"}]."""
+    """Draw a lesson's figures with its own figures.py (once per process: a second build copies
+    them) into the site's figures folder for the lesson. Returns [{"src" (relative to a lesson
+    page), "alt", "caption"}]."""
     folder = REPO_ROOT / lesson["folder"]
     if not (folder / "figures.py").exists():
         return []
-    module = importlib.import_module(lesson["folder"].replace("/", ".") + ".figures")
+    if lesson["folder"] not in _DRAWN:
+        module = importlib.import_module(lesson["folder"].replace("/", ".") + ".figures")
+        drawn_dir = Path(tempfile.mkdtemp(prefix="dtfs-figures-"))
+        try:
+            figures = module.site_figures(drawn_dir)
+        except Exception as exc:  # the lesson's own drawing code failed: say which lesson
+            raise SiteError(f"{lesson['folder']}/figures.py: site_figures failed: {exc!r}") from exc
+        for figure in figures:
+            path = drawn_dir / figure["file"]
+            if not path.exists() or path.stat().st_size == 0 or not figure.get("alt"):
+                raise SiteError(f"{lesson['folder']}/figures.py: {figure.get('file')!r} was not "
+                                f"drawn or has no alt text")
+        _DRAWN[lesson["folder"]] = (drawn_dir, figures)
+    drawn_dir, figures = _DRAWN[lesson["folder"]]
     target = out / "lessons" / "figures" / lesson["id"]
     target.mkdir(parents=True, exist_ok=True)
-    try:
-        figures = module.site_figures(target)
-    except Exception as exc:  # the lesson's own drawing code failed: say which lesson
-        raise SiteError(f"{lesson['folder']}/figures.py: site_figures failed: {exc!r}") from exc
-    drawn = []
     for figure in figures:
-        path = target / figure["file"]
-        if not path.exists() or path.stat().st_size == 0 or not figure.get("alt"):
-            raise SiteError(f"{lesson['folder']}/figures.py: {figure.get('file')!r} was not "
-                            f"drawn or has no alt text")
-        drawn.append({"src": f"figures/{lesson['id']}/{figure['file']}", "alt": figure["alt"],
-                      "caption": figure.get("caption", "")})
-    return drawn
+        shutil.copy(drawn_dir / figure["file"], target / figure["file"])
+    return [{"src": f"figures/{lesson['id']}/{figure['file']}", "alt": figure["alt"],
+             "caption": figure.get("caption", "")} for figure in figures]
 
 
 def lesson_exercise_rows(lesson: dict) -> list[dict]:
@@ -209,7 +229,8 @@ def build_site(out: Path, catalog: dict | None = None, npm_dir: Path = NPM_CACHE
         copy_sources(out, lesson)
         links = lesson_links(lesson)
         readme = (REPO_ROOT / lesson["paths"]["docs"]).read_text()
-        body, toc = render_markdown(readme, {"main.py": links["script"],
+        sibling_links = {name: f"../src/{lesson['folder']}/{name}" for name in lesson_files(lesson)}
+        body, toc = render_markdown(readme, {**sibling_links, "main.py": links["script"],
                                              "quiz.json": links["quiz"]})
         quiz = json.loads((REPO_ROOT / lesson["paths"]["quiz"]).read_text())
         page = out / "lessons" / f"{lesson['id']}-{lesson['slug']}.html"
