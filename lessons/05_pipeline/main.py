@@ -52,21 +52,28 @@ def gpipe_order(stages: int, microbatches: int) -> list[list[Op]]:
             for _ in range(stages)]
 
 
+# exercise one-f-one-b (3 points): The 1F1B order: warm-up, steady one-forward-one-backward, cool-down
+# hint: after w warm-up forwards, the k-th backward comes right after forward w + k (while
+#   one remains).
 def warmup_then_alternate(forwards: list[Op], backwards: list[Op], warmup: int) -> list[Op]:
     """The 1F1B pattern: `warmup` forwards, then one forward and one backward in turn while
-    forwards remain, then the remaining backwards."""
+    forwards remain, then the remaining backwards: a new list F_0 .. F_(w-1), F_w B_0,
+    F_(w+1) B_1, ..., then the backwards left. Every op once; forwards and backwards each
+    keep their given order."""
     order = forwards[:warmup]
     for k, backward in enumerate(backwards):
         order += forwards[warmup + k:warmup + k + 1] + [backward]
     return order
 
 
+# exercise one-f-one-b (continued)
 def one_f_one_b_order(stages: int, microbatches: int) -> list[list[Op]]:
     """1F1B (PipeDream-Flush, Narayanan et al. 2021): one list of 2m ops per device.
 
     Device d warms up with min(p-d-1, m) forwards, then F B F B ..., then drains: forwards
-    and backwards each in micro-batch order. Device d holds at most min(p-d, m) micro-batches'
-    activations (p on device 0) where GPipe holds m: the bubble is the same.
+    and backwards each in micro-batch order (Op("F", i), Op("B", i), chunk 0). Device d holds
+    at most min(p-d, m) micro-batches' activations (p on device 0) where GPipe holds m: the
+    bubble is the same.
     """
     forwards = [Op("F", i) for i in range(microbatches)]
     backwards = [Op("B", i) for i in range(microbatches)]
@@ -205,13 +212,19 @@ class Timeline:
         return peak
 
 
+# exercise simulator (4 points): The simulator: an op starts when its device is free and its inputs exist
+# hint: sweep the devices, running each one's next op while its inputs are done; start = max(device
+#   free, inputs' ends). A sweep in which no device moves is a deadlock.
 def simulate(orders: list[list[Op]], chunks: int = 1, t_f: float = 1.0, t_b: float = 2.0,
              t_w: float = 0.0) -> Timeline:
     """Run every device's order: an op starts when its device is free and its inputs exist.
-    F on virtual stage c p + d needs F of the previous virtual stage; B needs this stage's F and
-    the next virtual stage's B; W needs this stage's B. Durations are per chunk (1/v of a
-    stage): F t_f / v, B t_b / v, W t_w / v (t_w = 0: backward not split). Communication is free.
-    Raises ValueError if the orders deadlock."""
+    Op (kind, i, c) on device d runs virtual stage c p + d (p = len(orders) devices, v =
+    `chunks`). F needs F of the previous virtual stage (none on stage 0); B needs this stage's
+    F and the next virtual stage's B (none on the last); W needs this stage's B. Durations
+    are per chunk (1/v of a stage): F t_f / v, B t_b / v, W t_w / v (t_w = 0: backward not
+    split). Communication is free. Each device runs its ops in its order, one at a time.
+    Returns Timeline(p, v, rows), rows[d] = [(op, start, end), ...] in d's order. Raises
+    ValueError("... deadlocks ...") if the orders deadlock (an op waits for one that never runs)."""
     stages = len(orders)
     virtual = stages * chunks
     done: dict[tuple[str, int, int], float] = {}
@@ -257,11 +270,14 @@ def simulate_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1
 # ============================================================================ 4. the closed forms
 
 
+# exercise closed-forms (3 points): Bubble and peak activations in closed form
+# hint: the bubble is a share of the TOTAL time: idle / (ideal + idle), not idle / ideal.
 def bubble_closed_form(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Bubble as a share of total time (t_B = 2 t_F; for ZB-H1 t_F = t_B = t_W):
     GPipe and 1F1B (p-1)/(m+p-1); interleaved ((p-1)/v) / (m + (p-1)/v), i.e. Megatron's
     (1/v)(p-1)/m relative to the ideal time; ZB-H1 (p-1)/(3m + p-1), a third of 1F1B's bubble
-    time (p-1)(t_F + t_B - t_W) instead of (p-1)(t_F + t_B + t_W)."""
+    time (p-1)(t_F + t_B - t_W) instead of (p-1)(t_F + t_B + t_W). Unknown kind, or ZB-H1 with
+    m < p (where the form does not hold): ValueError."""
     p, m, v = stages, microbatches, chunks
     if kind in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
@@ -274,13 +290,14 @@ def bubble_closed_form(kind: str, stages: int, microbatches: int, chunks: int = 
     raise ValueError(f"unknown schedule {kind!r}")
 
 
+# exercise closed-forms (continued)
 def peak_inflight_closed_form(kind: str, stages: int, microbatches: int, chunks: int = 1,
                               device: int = 0) -> float:
     """Micro-batches' activations (in whole stages) device d holds at its peak.
 
     GPipe m. 1F1B and ZB-H1 min(p-d, m): d's warm-up forwards plus one. Interleaved: the
     (p-d-1) x 2 + (v-1) x p warm-up chunk forwards plus one, each 1/v of a stage, so device 0
-    holds p + (p-1)/v (capped at the m v chunks there are, i.e. m)."""
+    holds p + (p-1)/v (capped at the m v chunks there are, i.e. m). Unknown kind: ValueError."""
     p, m, v, d = stages, microbatches, chunks, device
     if kind == "gpipe":
         return m
@@ -322,6 +339,9 @@ class Transfer:
     peer: int
 
 
+# exercise pipeline-step (5 points): A real pipeline stage: the message plan and the training step
+# hint: post each send with the NEXT op's receive, in one batch_isend_irecv group. A received
+#   activation must be a leaf that requires grad: its .grad is what goes back.
 def p2p_plan(order: list[Op], stage: int, stages: int) -> list[tuple[list[Transfer], Op | None]]:
     """What `pipeline_step` posts, as one group, before each op of this stage's `order` (F and
     B ops, chunk 0), and a last group with no op.
@@ -332,7 +352,8 @@ def p2p_plan(order: list[Op], stage: int, stages: int) -> list[tuple[list[Transf
     stage d sends an activation to d+1 while d+1 sends a gradient to d, and under NCCL a send
     waits for its receive, so two lone sends would wait on each other forever. Messages carry
     no tags: forwards and backwards run in micro-batch order on every stage, so the k-th
-    message on each link is the k-th the other side expects.
+    message on each link is the k-th the other side expects. Returns len(order) + 1 pairs
+    (transfers, op), the sends of a group before its receive; the last op is None.
     """
     plan: list[tuple[list[Transfer], Op | None]] = []
     pending: list[Transfer] = []
@@ -351,6 +372,7 @@ def p2p_plan(order: list[Op], stage: int, stages: int) -> list[tuple[list[Transf
     return plan
 
 
+# exercise pipeline-step (continued)
 def pipeline_step(module: nn.Module, order: list[Op], inputs: list[torch.Tensor] | None,
                   targets: list[torch.Tensor] | None, loss_fn: Callable, boundary_shape: tuple,
                   group: dist.ProcessGroup | None = None) -> dict:
@@ -362,7 +384,8 @@ def pipeline_step(module: nn.Module, order: list[Op], inputs: list[torch.Tensor]
     activation between stages has `boundary_shape`, module's dtype and device. The last stage
     adds loss_fn(out, target) / m per micro-batch, so gradients equal those of the mean loss.
     Messages follow `p2p_plan`, each group posted with dist.batch_isend_irecv and waited on
-    (under NCCL the group's first use must include every rank: run a collective first).
+    (under NCCL the group's first use must include every rank: run a collective first); an
+    activation is sent detached, a gradient is d loss / d (this stage's input).
     Returns {"losses": per-micro-batch losses (last stage), "peak_held": the most
     micro-batches whose activations this stage held at once}.
     """

@@ -1,11 +1,55 @@
-"""Functions that lesson 05's tests run on spawned ranks (importable by their dotted name)."""
+"""Functions that lesson 05's tests run on spawned ranks (importable by their dotted name), and
+the 1F1B order written out as its definition (the oracle other exercises' tests run on, so a
+wrong `one_f_one_b_order` fails its own exercise and no other)."""
 
 from __future__ import annotations
 
 import importlib
 
+import torch.distributed as dist
+
+M = importlib.import_module("lessons.05_pipeline.main")
 C = importlib.import_module("lessons.05_pipeline.checks")
+
+
+def expected_1f1b(stages: int, microbatches: int, device: int) -> list[tuple[str, int]]:
+    """1F1B on `device`, as (kind, micro-batch) pairs: w = min(p-d-1, m) warm-up forwards, then
+    F(w+k) B(k) for k < m - w, then the last w backwards."""
+    w = min(stages - device - 1, microbatches)
+    return ([("F", i) for i in range(w)]
+            + [pair for k in range(microbatches - w) for pair in (("F", w + k), ("B", k))]
+            + [("B", k) for k in range(microbatches - w, microbatches)])
+
+
+def oracle_order(kind: str, stages: int, microbatches: int) -> list[list]:
+    """Per-device orders of GPipe (given) or 1F1B (from `expected_1f1b`)."""
+    if kind == "gpipe":
+        return M.gpipe_order(stages, microbatches)
+    return [[M.Op(k, i) for k, i in expected_1f1b(stages, microbatches, d)] for d in range(stages)]
 
 
 def pipeline_checks(ctx, microbatches: int) -> dict:
     return C.pipeline_worker(ctx, 2, microbatches, None, 0)
+
+
+def pipeline_step(ctx, microbatches: int) -> dict:
+    """`pipeline_step` on GPipe's and 1F1B's orders (oracle orders), against one process running
+    the whole model: loss and every gradient gaps, micro-batches held per stage."""
+    dist.barrier()
+    reference = C.single_process_reference(2, microbatches)
+    reference_grads = [g.detach().reshape(-1).tolist() for g in reference["grads"]]
+    stage, stages = ctx.rank, ctx.world_size
+    out = {}
+    for kind in ("gpipe", "1f1b"):
+        module = M.split_stage(C.make_layers(2), stage, stages)
+        x, y = C.pipeline_data(2, microbatches)
+        order = oracle_order(kind, stages, microbatches)[stage]
+        result = M.pipeline_step(module, order, list(x.chunk(microbatches)),
+                                 list(y.chunk(microbatches)), C.microbatch_loss, (C.ROWS, C.WIDTH))
+        grads = C.gather_grads(ctx, [p.grad for p in module.parameters()])
+        shared: list = [None] * stages
+        dist.all_gather_object(shared, (result["losses"], result["peak_held"]))
+        out[kind] = {"loss_gap": C.max_gap(shared[-1][0], reference["losses"]),
+                     "grad_gap": C.max_gap(grads, reference_grads),
+                     "held": [item[1] for item in shared]}
+    return out
