@@ -166,6 +166,7 @@ def write_workspace(folder: Path, out: Path, only: set[str] | None = None,
     lesson's technique (earlier lessons are imported as references), the lesson itself with its
     tests, data and `main.py` stubbed (`stub=False`: the reference, as the planted-bug tests
     use). Refuses an `out` that already holds files."""
+    folder = folder.resolve()  # compared with the lessons' absolute paths below
     exercises = lesson_exercises(folder)
     if not exercises:
         raise ExerciseError(f"{folder.name}: main.py marks no exercises")
