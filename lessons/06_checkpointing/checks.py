@@ -72,6 +72,8 @@ class _OsRenameCrash:
             raise SimulatedCrash(f"before renaming {self.target}")
         os.replace(src, dst)
 
+    rename = replace  # atomic on POSIX as well
+
 
 def _fail_before_writing(target: str, exc: BaseException):
     """Patch main.py's atomic_write_bytes so that writing a file named `target` raises `exc`."""
@@ -118,11 +120,13 @@ def save_single(ckpt: Path, step: int, keep: int = 1, world: int = 1,
     return step_dir
 
 
-def crash_during_save_checks(scratch: Path) -> list[Check]:
-    """Commit step 1, then crash the save of step 2 at every point of the protocol: `latest`
-    must then load step 1 (crash before `latest` moved) or step 2 (after), never a broken one."""
+def crash_during_save_checks(scratch: Path, points: tuple[str, ...] = SAVE_CRASH_POINTS,
+                             load=None) -> list[Check]:
+    """Commit step 1, then crash the save of step 2 at each of `points`: `latest` must then
+    load step 1 (crash before `latest` moved) or step 2 (after), never a broken one. `load`
+    (default main.py's load_latest) is called as load(ckpt, 1, False, "f") -> (_, shards)."""
     checks = []
-    for index, point in enumerate(SAVE_CRASH_POINTS):
+    for index, point in enumerate(points):
         ckpt = scratch / f"crash-{index}"
         shutil.rmtree(ckpt, ignore_errors=True)
         save_single(ckpt, 1)
@@ -134,7 +138,7 @@ def crash_during_save_checks(scratch: Path) -> list[Check]:
             crashed = True
         expected = 2 if point == "latest moved, before rotation" else 1
         try:
-            _, shards = checkpointing.load_latest(ckpt, 1, False, "f")
+            _, shards = (load or checkpointing.load_latest)(ckpt, 1, False, "f")
             loaded = shards[0]["step"]
             ok = crashed and loaded == expected
             detail = f"latest loads step {loaded}, expected {expected}" + ("" if crashed else

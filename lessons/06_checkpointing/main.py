@@ -52,9 +52,13 @@ class CheckpointError(RuntimeError):
 # ============================================================================ 1. one file, atomically
 
 
+# exercise atomic-write (2 points): One file, atomically: temp file, fsync, os.replace, fsync the directory
+# hint: the order is everything: write, flush, os.fsync(handle.fileno()), os.replace, then
+#   fsync_directory(path.parent). A rename before the fsync can publish an empty file.
 def fsync_directory(path: Path) -> None:
     """fsync a directory: a new name or a rename in it is a change to the directory itself and
-    needs its own fsync to survive a power loss (fsync(2))."""
+    needs its own fsync to survive a power loss (fsync(2)). Open it read-only with `os.open`,
+    `os.fsync` the descriptor, and close it even if the fsync raises. Returns None."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -62,14 +66,18 @@ def fsync_directory(path: Path) -> None:
         os.close(fd)
 
 
+# exercise atomic-write (continued)
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Replace `path` by `data` so that every reader, after any crash, sees the old file or the
     new one, never a part of either.
 
     Steps: write a temporary file in the SAME directory (same filesystem, so the rename is
-    atomic), flush and fsync it (the bytes are on disk), os.replace it over `path` (the atomic
-    switch), fsync the directory (the new name is on disk). Cost: len(data) bytes written, two
-    fsyncs. A crash before os.replace leaves the old `path` and a stray temp file.
+    atomic), named `.{path.name}.tmp-{os.getpid()}-{threading.get_ident()}` (unique per process
+    and thread: asynchronous saves write from threads); flush and `os.fsync` it (the bytes are
+    on disk); `os.replace` it over `path` (the atomic switch); `fsync_directory(path.parent)`
+    (the new name is on disk). The calls go through this module's `os` (the tests watch them).
+    Cost: len(data) bytes written, two fsyncs. A crash before os.replace leaves the old `path`
+    and the stray temp file; nothing is returned, and no temp file is left after success.
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
     with open(tmp, "wb") as handle:
@@ -102,22 +110,31 @@ def serialize(state: dict) -> bytes:
     return buffer.getvalue()
 
 
+# exercise commit (3 points): Many files, atomically: shard entries, the two commits, rotation
+# hint: commit = atomic_write_bytes(manifest), atomic_write_bytes(latest), rotate, in that order;
+#   rotate sorts committed steps by NUMBER and removes all but the last `keep`.
 def write_shard(step_dir: Path, rank: int, world: int, payload: bytes) -> dict:
-    """Phase 1, on every rank: write this rank's shard atomically and return its manifest
-    entry {"name", "rank", "bytes", "sha256"}."""
+    """Phase 1, on every rank: write this rank's shard `step_dir / shard_name(rank, world)`
+    with `atomic_write_bytes` and return its manifest entry
+    {"name": shard_name(rank, world), "rank": rank, "bytes": len(payload),
+    "sha256": sha256_hex(payload)}."""
     name = shard_name(rank, world)
     atomic_write_bytes(step_dir / name, payload)
     return {"name": name, "rank": rank, "bytes": len(payload), "sha256": sha256_hex(payload)}
 
 
+# exercise commit (continued)
 def commit(ckpt_dir: Path, step: int, world: int, entries: list[dict], fingerprint: str,
            keep: int) -> None:
     """Phase 2, on rank 0 once every shard is on disk. Two commits, two roles:
 
-    1. `step-N/manifest.json` (format version, world size, step, run fingerprint, each file's
-       size and sha256), written atomically: step N is now complete and SELF-VERIFYING (a
-       reader can prove every byte without trusting anything else).
-    2. `latest` <- "step-N", atomically: the RUN's commit point; resume starts here.
+    1. `step-N/manifest.json`, the JSON object {"format_version": FORMAT_VERSION,
+       "world_size": world, "step": step, "fingerprint": fingerprint, "files": entries sorted
+       by rank} (each entry as `write_shard` returned it: name, rank, bytes, sha256), written
+       with `atomic_write_bytes`: step N is now complete and SELF-VERIFYING (a reader can prove
+       every byte without trusting anything else).
+    2. `latest` <- "step-N\n" (`step_dir_name(step)` and a newline), with `atomic_write_bytes`:
+       the RUN's commit point; resume starts here.
     3. rotate(ckpt_dir, keep): only now may old checkpoints go.
 
     A crash before 1 leaves step N uncommitted; between 1 and 2 it leaves step N complete but
@@ -137,10 +154,13 @@ def committed_steps(ckpt_dir: Path) -> list[int]:
                   if (m := STEP_DIR.match(child.name)) and (child / MANIFEST).exists())
 
 
+# exercise commit (continued)
 def rotate(ckpt_dir: Path, keep: int) -> list[int]:
     """Keep the newest `keep` committed checkpoints BY STEP NUMBER (never by file time, which
-    a copy or a clock step can reorder) and remove uncommitted leftovers older than the newest
-    commit. Returns the committed steps removed."""
+    a copy or a clock step can reorder) and remove uncommitted leftovers (step directories
+    without a manifest) older than the newest commit; newer ones stay (`discard_newer_than`
+    handles them on resume). `keep < 1` raises ValueError. Returns the committed steps removed,
+    oldest first."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     steps = committed_steps(ckpt_dir)
@@ -226,7 +246,19 @@ class Checkpointer:
             self._pending = None
             self._commit_everywhere(step, fingerprint)
 
+    # exercise failure-safe-save (3 points): Every rank agrees before the commit
+    # hint: dist.all_gather_object the outcomes; rank 0 commits only if none holds "error";
+    #   dist.broadcast_object_list rank 0's verdict, so every rank raises the same error.
     def _commit_everywhere(self, step: int, fingerprint: str) -> None:
+        """Collective, on every rank, after this rank's write of step `step` finished:
+        `self._outcome` is this rank's manifest entry or {"error": "Type: message"}. Gather
+        every rank's outcome (rank order). If none failed, rank 0 calls
+        `commit(self.ckpt_dir, step, world, outcomes, fingerprint, self.keep)`; an exception
+        there is a failure of "rank 0 (commit)". Every rank then learns rank 0's verdict and,
+        if anything failed, raises CheckpointError(f"{step_dir}: not saved ({errors}); latest
+        and older checkpoints are untouched") (step_dir: self.ckpt_dir / step_dir_name(step))
+        with errors "rank r: Type: message" joined by "; ", the same message on every rank.
+        No rank commits when any rank failed; without failures nothing is raised."""
         world = dist.get_world_size()
         outcomes: list = [None] * world
         dist.all_gather_object(outcomes, self._outcome)
@@ -247,8 +279,15 @@ class Checkpointer:
 # ============================================================================ 3. verified load
 
 
+# exercise verified-load (4 points): Verified load: prove every byte before anything is used
+# hint: check the manifest's fields before trusting them, the file list against ranks 0..W-1,
+#   then each file's size and sha256; every error message starts with the offending path.
 def read_latest(ckpt_dir: Path) -> Path:
-    """The step directory `latest` names; anything but a plain step-N name is refused."""
+    """The step directory `latest` names (its text, stripped). CheckpointError when
+    `ckpt_dir` is not a directory ("no such checkpoint directory"), `latest` is missing
+    ("holds no committed checkpoint"), its text is not a step-N name matching STEP_DIR ("is
+    not a step directory name": a path escaping the directory is refused), or that directory
+    does not exist ("which is missing")."""
     if not ckpt_dir.is_dir():
         raise CheckpointError(f"{ckpt_dir}: no such checkpoint directory")
     pointer = ckpt_dir / LATEST
@@ -264,6 +303,7 @@ def read_latest(ckpt_dir: Path) -> Path:
     return ckpt_dir / name
 
 
+# exercise verified-load (continued)
 def verify_checkpoint(step_dir: Path, world: int | None, reshard: bool = False,
                       fingerprint: str | None = None) -> dict:
     """Prove a checkpoint before anything is used; return its manifest.
@@ -273,7 +313,18 @@ def verify_checkpoint(step_dir: Path, world: int | None, reshard: bool = False,
     size equals `world` unless `reshard`; the files are exactly ranks 0..W-1, each once, named
     shard-r-of-W.pt (no missing, extra, duplicate or path-escaping name, no stray shard file
     in the directory); every file has the manifest's size and sha256. Any failure raises
-    CheckpointError whose message starts with the offending file. Cost: one read of every byte.
+    CheckpointError whose message starts with the offending file and contains, by case:
+    manifest absent "never committed"; unparsable "not valid JSON"; version V
+    f"format_version {V!r} is unknown"; a field missing or of the wrong type (bool is not
+    int) f"field {name!r} missing or not {type}"; another fingerprint "belongs to another
+    run"; another world size "pass --reshard"; an entry without its four keys "needs name,
+    rank, bytes and sha256"; a name with "/" or "\\" or "." / ".." "escapes the checkpoint
+    directory" (the manifest is the culprit); a name that is not shard_name(rank, W) "is not
+    the shard name"; a rank twice "duplicate rank"; a rank >= W "extra rank"; a rank of
+    0..W-1 not listed "missing shard" (names shard_name(r, W)); a shard-*.pt file not listed
+    "extra shard file"; a listed file absent "missing shard"; another size
+    f"{size} bytes, the manifest says {bytes} (truncated or extended)"; another sha256
+    "sha256 mismatch". Cost: one read of every byte.
     """
     manifest_path = step_dir / MANIFEST
     if not manifest_path.exists():
@@ -332,10 +383,13 @@ def verify_checkpoint(step_dir: Path, world: int | None, reshard: bool = False,
     return manifest
 
 
+# exercise verified-load (continued)
 def load_latest(ckpt_dir: Path, world: int | None, reshard: bool,
                 fingerprint: str | None) -> tuple[dict, list[dict]]:
     """Verify the checkpoint `latest` names, then read every shard (resharding needs them all)
-    with torch.load(weights_only=True): tensors and plain data only, no code runs on load."""
+    with torch.load(weights_only=True): tensors and plain data only, no code runs on load.
+    Returns (manifest, shards in the manifest's rank order); a shard that cannot be loaded
+    raises CheckpointError(f"{path}: cannot be deserialised (...)")."""
     step_dir = read_latest(ckpt_dir)
     manifest = verify_checkpoint(step_dir, world, reshard, fingerprint)
     shards = []
@@ -449,16 +503,21 @@ def cosine_with_warmup(warmup: int, total: int):
     return factor
 
 
+# exercise exact-resume (3 points): Exact resume: LR, scheduler, scaler, data cursor and RNG states
+# hint: after scheduler.load_state_dict, write the saved LR into every param group: a fresh
+#   scheduler holds factor(0) x base LR. Restore the RNG states last.
 def rng_state(device: torch.device | str | None = None) -> dict:
-    """This rank's generators: Python's, torch's CPU one and, when `device` is a CUDA device,
-    THAT device's generator only (never get_rng_state_all: it would initialise CUDA on every
-    device, make the bytes depend on the machine, and fail to load on a box with fewer GPUs)."""
+    """This rank's generators: {"python": random.getstate(), "torch": torch.get_rng_state()}
+    and, only when `device` is a CUDA device, "cuda": torch.cuda.get_rng_state(THAT device)
+    (never get_rng_state_all: it would initialise CUDA on every device, make the bytes depend
+    on the machine, and fail to load on a box with fewer GPUs)."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if device is not None and torch.device(device).type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(torch.device(device))
     return state
 
 
+# exercise exact-resume (continued)
 def set_rng_state(state: dict, device: torch.device | str | None = None) -> None:
     """Restore what `rng_state(device)` saved (the CUDA generator of `device` when present)."""
     random.setstate(state["python"])
@@ -467,6 +526,7 @@ def set_rng_state(state: dict, device: torch.device | str | None = None) -> None
         torch.cuda.set_rng_state(state["cuda"], torch.device(device))
 
 
+# exercise exact-resume (continued)
 def exact_resume_state(step: int, optimizer, scheduler, scaler, cursor: DataCursor,
                        device: torch.device | str | None = None) -> dict:
     """The small state exact resume needs besides the weights and the Adam moments: the step;
@@ -474,18 +534,24 @@ def exact_resume_state(step: int, optimizer, scheduler, scaler, cursor: DataCurs
     LR after each step; a freshly built one holds factor(0) x base LR, so restoring only its
     state_dict runs ONE step at the initial LR: nanotron PR 245); the GradScaler's state (scale
     and growth tracker: they decide which fp16 steps overflow and are skipped), or None; the
-    data cursor; this rank's RNG states. Plain data and CPU tensors: torch.load(weights_only)."""
+    data cursor; this rank's RNG states. Plain data and CPU tensors: torch.load(weights_only).
+    Returns {"step", "scheduler", "lr" (one float per param group), "scaler", "cursor", "rng"}."""
     return {"step": step, "scheduler": scheduler.state_dict(),
             "lr": [group["lr"] for group in optimizer.param_groups],
             "scaler": scaler.state_dict() if scaler is not None else None,
             "cursor": cursor.state_dict(), "rng": rng_state(device)}
 
 
+# exercise exact-resume (continued)
 def restore_exact_resume_state(state: dict, optimizer, scheduler, scaler, cursor: DataCursor,
                                device: torch.device | str | None = None,
                                restore_rng: bool = True) -> int:
-    """Inverse of `exact_resume_state`; returns the step. `scaler=None` skips the scaler;
-    `restore_rng=False` when the saved streams belong to another layout (resharding)."""
+    """Inverse of `exact_resume_state`, in place; returns the step. Restores the scheduler's
+    state_dict, then writes the saved LR into each param group (a different number of groups
+    raises ValueError: zip(..., strict=True)), the scaler (skipped when `scaler` is None), the
+    cursor and, unless `restore_rng=False` (the saved streams belong to another layout, when
+    resharding), this rank's RNG states. Afterwards the next step runs exactly as it would
+    have without the interruption: same LR, same loss scale, same batch, same random draws."""
     scheduler.load_state_dict(state["scheduler"])
     for group, lr in zip(optimizer.param_groups, state["lr"], strict=True):
         group["lr"] = lr
