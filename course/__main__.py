@@ -81,7 +81,7 @@ def run_demos(keys: list[str], json_path: Path | None, timeout: float, extra: li
 
 
 def grade_lesson(lesson: dict, workspace: Path, timeout: float,
-                 exercise: str | None = None) -> dict:
+                 exercise: str | list[str] | None = None, first_failure: bool = False) -> dict:
     """Run a lesson's suite in `workspace` (the course itself for the reference) through
     lessons/_grading.py; returns {"criteria": {...}, "tests": [...], "seconds", "error"}."""
     from lessons._exercises import lesson_exercises
@@ -91,14 +91,17 @@ def grade_lesson(lesson: dict, workspace: Path, timeout: float,
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "grade.json"
         command = [sys.executable, "-m", "lessons._grading", lesson["paths"]["tests"], "--json", str(out)]
-        if exercise:
-            command += ["--exercise", exercise]
+        wanted = [exercise] if isinstance(exercise, str) else list(exercise or [])
+        for exercise_id in wanted:
+            command += ["--exercise", exercise_id]
+        if first_failure:
+            command.append("--first-failure")
         code, output, seconds = _run(command, timeout, cwd=workspace)
         report = json.loads(out.read_text()) if out.exists() else {"criteria": {}, "tests": []}
     report["seconds"] = seconds
     report["error"] = "" if out_ok(code, report) else (output.strip().splitlines() or ["no output"])[-1]
     for exercise_id in exercises:  # an exercise no test grades cannot pass
-        if exercise is None or exercise == exercise_id:
+        if not wanted or exercise_id in wanted:
             report["criteria"].setdefault(exercise_id, {"outcome": "failed", "tests": 0, "failed": 0,
                                                         "blocked": 0, "message": "no test grades it"})
     for exercise_id, entry in report["criteria"].items():
@@ -108,16 +111,21 @@ def grade_lesson(lesson: dict, workspace: Path, timeout: float,
     return report
 
 
-def grade_planted_bugs(lesson: dict, workspace: Path, timeout: float) -> list[dict]:
-    """Plant each of the lesson's bugs in a reference `workspace` in turn and grade its own
-    exercise (one process for all of them). [{"id", "exercise", "outcome", ...}]"""
+def grade_planted_bugs(lesson: dict | list[dict], workspace: Path, timeout: float):
+    """Plant each of the lessons' bugs in a reference `workspace` in turn and grade its own
+    exercise (one process for all of them). One lesson: [{"id", "exercise", "outcome", ...}];
+    a list of lessons: {lesson id: [...]} (the workspace must hold every one's tests)."""
+    chosen = lesson if isinstance(lesson, list) else [lesson]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bugs.json"
-        code, output, _ = _run([sys.executable, "-m", "lessons._grading", lesson["paths"]["tests"],
+        code, output, _ = _run([sys.executable, "-m", "lessons._grading",
+                                *[item["paths"]["tests"] for item in chosen],
                                 "--planted-bugs", "--json", str(out)], timeout, cwd=workspace)
         if code != 0 or not out.exists():
             raise RuntimeError(f"planted-bug grading failed (exit {code}): {output[-1500:]}")
-        return json.loads(out.read_text())["bugs"]
+        found = json.loads(out.read_text())["lessons"]
+    by_id = {item["id"]: found[item["paths"]["tests"]] for item in chosen}
+    return by_id if isinstance(lesson, list) else by_id[lesson["id"]]
 
 
 def out_ok(code: int, report: dict) -> bool:
@@ -125,7 +133,8 @@ def out_ok(code: int, report: dict) -> bool:
 
 
 def grade(keys: list[str], timeout: float, workspace: Path | None = None,
-          json_path: Path | None = None, exercise: str | None = None) -> int:
+          json_path: Path | None = None, exercise: str | None = None,
+          first_failure: bool = False) -> int:
     """Grade each lesson by exercise: passed / failed / blocked and points. Exit 0 iff every
     runnable criterion passed and nothing was blocked, 1 if something failed (or did not run),
     3 if nothing failed but something was blocked (a skip is never a pass)."""
@@ -137,7 +146,7 @@ def grade(keys: list[str], timeout: float, workspace: Path | None = None,
         name = lesson["folder"].split("/")[-1]
         root = workspace or REPO_ROOT
         console.print(f"grading {name} in {root} ...")
-        report = grade_lesson(lesson, root, timeout, exercise)
+        report = grade_lesson(lesson, root, timeout, exercise, first_failure)
         table = Table(title=f"{name}: {root}", title_justify="left")
         for column in ("criterion", "points", "result", "tests", "detail"):
             table.add_column(column, overflow="fold")
@@ -150,7 +159,9 @@ def grade(keys: list[str], timeout: float, workspace: Path | None = None,
             earned += entry["points"] if entry["outcome"] == "passed" else 0
             colour = {"passed": "green", "failed": "red", "blocked": "yellow"}[entry["outcome"]]
             table.add_row(key, str(entry["points"]) if key != "integration" else "-",
-                          f"[{colour}]{entry['outcome'].upper()}[/]", str(entry["tests"]),
+                          f"[{colour}]{entry['outcome'].upper()}[/]",
+                          str(entry["tests"]) + (f" ({entry['not_run']} not run)"
+                                                 if entry.get("not_run") else ""),
                           entry["message"][:300])
         console.print(table)
         failed = report["error"] or any(e["outcome"] == "failed" for e in criteria.values())
@@ -308,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     grade_parser.add_argument("--workspace", type=Path, metavar="DIR",
                               help="a learner workspace (default: the reference solution)")
     grade_parser.add_argument("--exercise", metavar="ID", help="only this exercise's tests")
+    grade_parser.add_argument("--first-failure", action="store_true",
+                              help="stop each exercise at its first failing test: the same "
+                                   "outcomes, sooner (later tests are reported as not run)")
     grade_parser.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
     grade_parser.add_argument("--timeout", type=float, default=600.0, help="seconds per lesson")
     exercise_parser = sub.add_parser("exercise", help="write a learner workspace with stubs")
@@ -335,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.workspace is not None and not (args.workspace / "lessons").is_dir():
                 parser.error(f"--workspace {args.workspace}: no lessons/ folder there "
                              f"(make one with: python -m course exercise NN)")
-            return grade(args.ids, args.timeout, args.workspace, args.json, args.exercise)
+            return grade(args.ids, args.timeout, args.workspace, args.json, args.exercise,
+                         args.first_failure)
         if args.command == "exercise":
             return make_exercise(args.id, args.out, args.exercise)
         if args.command == "gpu":

@@ -1,11 +1,15 @@
 """Grade a lesson's unittest suite by exercise: `python -m lessons._grading TESTS_DIR --json OUT
-[--exercise ID]`, run from the root of a workspace (or of the course).
+[--exercise ID ...] [--first-failure]`, run from the root of a workspace (or of the course).
 
 Every test belongs to one criterion: the exercise its `exercise("id")` tag names (on the test
 method or its TestCase class), else "integration". A criterion is *passed* when every one of its
 tests passed, *failed* when one failed or errored (the first failing assertion is kept), and
 *blocked* when none failed but one was skipped (a GPU or a package is missing): a skip is never
 a pass. Writes {"tests": [...], "criteria": {...}} as JSON.
+
+`--first-failure` stops each criterion at its first failing test: its later tests are reported
+"not run", and a test class none of whose criteria can still pass is not set up at all (no
+ranks launched for it). The outcome of every criterion is the same as without it.
 """
 
 from __future__ import annotations
@@ -43,22 +47,43 @@ def _first_failure(err) -> str:
     return (text[0] if text else kind.__name__)[:400]
 
 
+NOT_RUN = "not run: an earlier test of this criterion failed (--first-failure)"
+
+
+def _not_run(*args, **kwargs):  # stands in for a test method that --first-failure skips
+    raise AssertionError("unreachable")
+
+
+_not_run.__unittest_skip__ = True
+_not_run.__unittest_skip_why__ = NOT_RUN
+
+
 class _Recorder(unittest.TestResult):
-    def __init__(self) -> None:
+    def __init__(self, first_failure: bool = False) -> None:
         super().__init__()
         self.outcomes: dict[str, dict] = {}
         self._started: dict[str, float] = {}
+        self.first_failure = first_failure
+        self.failed_criteria: set[str] = set()
+        self._criterion: dict[str, str] = {}
 
     def startTest(self, test):
         super().startTest(test)
         self._started[test.id()] = time.monotonic()
+        self._criterion[test.id()] = criterion_of(test)  # before the method may be replaced
+        if self.first_failure and self._criterion[test.id()] in self.failed_criteria:
+            # unittest reads the method after startTest and skips a method marked as skipped
+            setattr(test, test._testMethodName, _not_run)
 
     def _set(self, test, outcome: str, message: str = "") -> None:
-        entry = self.outcomes.setdefault(test.id(), {"id": test.id(), "criterion": criterion_of(test),
+        criterion = self._criterion.get(test.id()) or criterion_of(test)
+        entry = self.outcomes.setdefault(test.id(), {"id": test.id(), "criterion": criterion,
                                                      "outcome": "passed", "message": ""})
         if entry["outcome"] in ("failed",):
             return  # keep the first failure (subtests may report several)
         entry["outcome"], entry["message"] = outcome, message
+        if outcome == "failed":
+            self.failed_criteria.add(entry["criterion"])
 
     def addSuccess(self, test):
         self._set(test, "passed")
@@ -77,7 +102,7 @@ class _Recorder(unittest.TestResult):
 
     def addSkip(self, test, reason):
         super().addSkip(test, reason)
-        self._set(test, "blocked", reason)
+        self._set(test, "not run" if reason == NOT_RUN else "blocked", reason)
 
     def addSubTest(self, test, subtest, err):
         super().addSubTest(test, subtest, err)
@@ -102,9 +127,11 @@ def criteria(tests: list[dict]) -> dict[str, dict]:
     result: dict[str, dict] = {}
     for test in tests:
         entry = result.setdefault(test["criterion"], {"outcome": "passed", "tests": 0, "failed": 0,
-                                                      "blocked": 0, "message": ""})
+                                                      "blocked": 0, "not_run": 0, "message": ""})
         entry["tests"] += 1
-        if test["outcome"] == "failed":
+        if test["outcome"] == "not run":  # only after a failure of the same criterion
+            entry["not_run"] += 1
+        elif test["outcome"] == "failed":
             entry["failed"] += 1
             if entry["outcome"] != "failed":
                 entry["outcome"], entry["message"] = "failed", f"{test['id']}: {test['message']}"
@@ -115,15 +142,39 @@ def criteria(tests: list[dict]) -> dict[str, dict]:
     return result
 
 
-def grade(tests_dir: str, exercise: str | None = None) -> dict:
+def _by_class(tests: list) -> list[list]:
+    """Consecutive runs of tests of the same class (discovery order kept)."""
+    groups: list[list] = []
+    for test in tests:
+        if groups and type(groups[-1][0]) is type(test):
+            groups[-1].append(test)
+        else:
+            groups.append([test])
+    return groups
+
+
+def grade(tests_dir: str, exercise: str | list[str] | None = None,
+          first_failure: bool = False) -> dict:
+    """Run the suite under `tests_dir` (only the tests of `exercise`, one id or several, if
+    given) and return {"tests": [...], "criteria": {...}}."""
     loader = unittest.TestLoader()
     suite = loader.discover(tests_dir, top_level_dir=".")
     tests = _flatten(suite)
     broken = [t for t in tests if isinstance(t, unittest.loader._FailedTest)]
     if exercise is not None:
-        tests = [t for t in tests if criterion_of(t) == exercise or t in broken]
-    recorder = _Recorder()
-    unittest.TestSuite(tests).run(recorder)
+        wanted = {exercise} if isinstance(exercise, str) else set(exercise)
+        tests = [t for t in tests if criterion_of(t) in wanted or t in broken]
+    recorder = _Recorder(first_failure)
+    if not first_failure:
+        unittest.TestSuite(tests).run(recorder)
+    else:
+        for group in _by_class(tests):  # one suite per class: its fixtures run inside it
+            if {criterion_of(t) for t in group} <= recorder.failed_criteria:
+                for test in group:
+                    recorder.outcomes[test.id()] = {"id": test.id(), "criterion": criterion_of(test),
+                                                    "outcome": "not run", "message": NOT_RUN}
+                continue
+            unittest.TestSuite(group).run(recorder)
     class_errors = {key: entry["message"] for key, entry in recorder.outcomes.items()
                     if not any(key == t.id() for t in tests)}  # setUpClass (pkg.Class) etc.
     outcomes = [entry for key, entry in recorder.outcomes.items() if key not in class_errors]
@@ -160,7 +211,7 @@ def grade_planted_bugs(tests_dir: str) -> dict:
         try:
             target.write_text(original.replace(bug.find, bug.replace, 1))
             _forget(package)
-            report = grade(tests_dir, bug.exercise)
+            report = grade(tests_dir, bug.exercise, first_failure=True)
         finally:
             target.write_text(original)
             _forget(package)
@@ -173,15 +224,23 @@ def grade_planted_bugs(tests_dir: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lessons._grading")
-    parser.add_argument("tests_dir")
+    parser.add_argument("tests_dir", nargs="+",
+                        help="a lesson's tests folder (several only with --planted-bugs)")
     parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--exercise")
+    parser.add_argument("--exercise", action="append", help="only this exercise's tests (repeatable)")
+    parser.add_argument("--first-failure", action="store_true",
+                        help="stop each criterion at its first failing test (same outcomes, faster)")
     parser.add_argument("--planted-bugs", action="store_true",
                         help="plant each bug of bugs.json in turn and grade its exercise "
                              "(run inside a reference workspace: files are changed and restored)")
     args = parser.parse_args(argv)
-    report = grade_planted_bugs(args.tests_dir) if args.planted_bugs else \
-        grade(args.tests_dir, args.exercise)
+    if args.planted_bugs:  # one process for every lesson named: torch and the forkserver start once
+        report = {"lessons": {tests_dir: grade_planted_bugs(tests_dir)["bugs"]
+                              for tests_dir in args.tests_dir}}
+    elif len(args.tests_dir) == 1:
+        report = grade(args.tests_dir[0], args.exercise, args.first_failure)
+    else:
+        parser.error("grade one tests folder at a time (several only with --planted-bugs)")
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

@@ -71,6 +71,16 @@ class TestAdd(unittest.TestCase):
         self.assertEqual(acc.push(3), 5)
 
 
+@exercise("add")
+class TestAddLater(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):  # leaves a trace: --first-failure must not set this class up
+        open("add_later_was_set_up", "w").close()
+
+    def test_add_again(self):
+        self.assertEqual(M.add(1, 1), 2)
+
+
 class TestScale(unittest.TestCase):
     @exercise("scale")
     def test_scale(self):
@@ -155,12 +165,12 @@ class TestMarkers(unittest.TestCase):
 class TestGrading(unittest.TestCase):
     """Grades the toy lesson in workspaces: reference, untouched stubs, a planted bug."""
 
-    def grade(self, root: Path, main: str) -> dict:
+    def grade(self, root: Path, main: str, first_failure: bool = False) -> dict:
         from course.__main__ import grade_lesson
         lesson = make_workspace(root, main)
         with unittest.mock.patch.object(ex, "lesson_exercises",
                                         lambda folder: ex.find_exercises(root / "lessons/99_toy/main.py")):
-            report = grade_lesson(lesson, root, timeout=120)
+            report = grade_lesson(lesson, root, timeout=120, first_failure=first_failure)
         return report["criteria"]
 
     def setUp(self):
@@ -184,6 +194,20 @@ class TestGrading(unittest.TestCase):
         planted = self.grade(self.tmp / "planted", buggy)
         self.assertEqual(planted["scale"]["outcome"], "failed")
         self.assertEqual(planted["add"]["outcome"], "passed")
+
+    def test_first_failure_gives_the_same_outcomes_sooner(self):
+        stubbed_main = ex.stub_source(TOY_MAIN, ex.find_exercises(self._write(TOY_MAIN)))
+        full = self.grade(self.tmp / "full", stubbed_main)
+        fast = self.grade(self.tmp / "fast", stubbed_main, first_failure=True)
+        self.assertEqual({k: v["outcome"] for k, v in fast.items()},
+                         {k: v["outcome"] for k, v in full.items()})
+        self.assertEqual(fast["add"]["message"], full["add"]["message"])
+        self.assertEqual((full["add"]["not_run"], fast["add"]["not_run"]), (0, 2))
+        self.assertTrue((self.tmp / "full" / "add_later_was_set_up").exists())
+        self.assertFalse((self.tmp / "fast" / "add_later_was_set_up").exists())
+        reference = self.grade(self.tmp / "reference", TOY_MAIN, first_failure=True)
+        self.assertEqual(reference["add"]["outcome"], "passed")
+        self.assertEqual(reference["add"]["not_run"], 0)
 
     def test_planted_bugs_graded_in_one_process_and_restored(self):
         from course.__main__ import grade_planted_bugs

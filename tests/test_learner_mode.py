@@ -1,6 +1,7 @@
 """Learner mode on the real lessons: every marked exercise is graded by at least one test, an
 untouched workspace scores 0 without hanging, and every planted bug is caught by its own
-exercise (only that exercise's tests run per bug, to keep CI short).
+exercise (only that exercise's tests run per bug, up to its first failure, all lessons in one
+process, to keep CI short).
 
 The reference scoring full marks follows from the lessons' own suites passing (pytest runs
 them) together with `test_every_exercise_is_graded`: every test belongs to an exercise or to
@@ -67,7 +68,8 @@ class TestWorkspaces(unittest.TestCase):
             workspace = self.tmp / f"untouched-{lesson['id']}"
             exercises = ex.write_workspace(folder, workspace)
             started = time.monotonic()
-            report = grade_lesson(lesson, workspace, timeout=300)
+            report = grade_lesson(lesson, workspace, timeout=300, first_failure=True,
+                                  exercise=[e.id for e in exercises])  # the points only
             with self.subTest(lesson=lesson["id"]):
                 self.assertEqual(report["error"], "")
                 for exercise in exercises:
@@ -84,14 +86,15 @@ class TestWorkspaces(unittest.TestCase):
             ex.write_workspace(REPO_ROOT / lesson["folder"], workspace)
 
     def test_planted_bugs_are_caught_by_their_exercise(self):
-        for lesson in lessons_with_exercises():
-            folder = REPO_ROOT / lesson["folder"]
-            bugs = ex.planted_bugs(folder)
-            workspace = self.tmp / f"bugs-{lesson['id']}"
-            ex.write_workspace(folder, workspace, stub=False)
-            results = grade_planted_bugs(lesson, workspace, timeout=600)
-            self.assertEqual([r["id"] for r in results], [bug.id for bug in bugs])
-            for result in results:
+        chosen = lessons_with_exercises()
+        workspace = self.tmp / "bugs"  # a reference copy of every lesson, tests included
+        shutil.copytree(REPO_ROOT / "lessons", workspace / "lessons",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        results = grade_planted_bugs(chosen, workspace, timeout=900)
+        for lesson in chosen:
+            bugs = ex.planted_bugs(REPO_ROOT / lesson["folder"])
+            self.assertEqual([r["id"] for r in results[lesson["id"]]], [bug.id for bug in bugs])
+            for result in results[lesson["id"]]:
                 with self.subTest(lesson=lesson["id"], bug=result["id"]):
                     self.assertEqual(result["outcome"], "failed",
                                      f"{result['mistake']}: not caught by {result['exercise']}")

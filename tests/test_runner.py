@@ -63,9 +63,9 @@ class TestCourseCommands(unittest.TestCase):
         self.assertIn("0 of 1 lesson demos passed", proc.stdout)
 
     def test_course_grade_one_lesson(self):
-        proc = run("-m", "course", "grade", "01", timeout=600)
+        proc = run("-m", "course", "grade", "08", timeout=600)  # the quickest suite
         self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-        self.assertIn("01_collectives", proc.stdout)
+        self.assertIn("08_offload", proc.stdout)
         self.assertIn("PASS", proc.stdout)
 
     def test_gpu_suite_is_blocked_without_a_gpu(self):
