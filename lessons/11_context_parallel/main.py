@@ -305,8 +305,9 @@ def all_to_all_rows(send: torch.Tensor, engine: str, traffic: collectives.Traffi
     counts = [send.shape[0] // cp] * cp
     if engine == "p2p":
         return collectives.all_to_all(send, counts, counts, traffic)
-    out = torch.empty_like(send)
-    dist.all_to_all_single(out, send.contiguous(), counts, counts)
+    send = send.contiguous()
+    out = torch.empty_like(send, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, send, counts, counts)
     return out
 
 
@@ -345,7 +346,8 @@ class SequenceToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (seq_to_heads if ctx.inverse else heads_to_seq)(grad, ctx.engine, ctx.traffic), None, None, None
+        undo = seq_to_heads if ctx.inverse else heads_to_seq
+        return undo(grad, ctx.engine, ctx.traffic), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: int,
