@@ -117,7 +117,7 @@ def variant_checks(variant: str, run: dict, ref, seq: int, heads: int, head_dim:
     gap = max_abs_diff(run["out"], y_ref)
     grad_gap = max(max_abs_diff(a, b) for a, b in zip(run["grads"], g_ref))
     formula = (context_parallel.ring_bytes_per_rank if variant == "ring"
-               else context_parallel.ulysses_bytes_per_rank)(seq, heads, head_dim, cp, 8)
+               else context_parallel.ulysses_bytes_per_rank)(seq, heads, head_dim, cp, 8)._asdict()
     counted = {"forward": run["forward_bytes"], "backward": run["backward_bytes"]}
     checks = [
         Check(f"{variant}: output == sdpa on the whole sequence", gap <= TOLERANCE, f"max |diff| {gap:.1e}"),
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         "tiles_formula": {layout: context_parallel.tiles_per_rank(world, layout, args.causal)
                           for layout in context_parallel.LAYOUTS},
         "forward_seconds_per_rank": [round(r["seconds"], 4) for r in results],
-        "bytes_formula": {"ring": ring, "ulysses": ulysses},
+        "bytes_formula": {"ring": ring._asdict(), "ulysses": ulysses._asdict()},
     }
     metrics["headline"] = (f"{args.variant}: {metrics['bytes_per_rank'][0]} B per rank, "
                            f"max |err| {metrics['max_abs_err']:.1e}")

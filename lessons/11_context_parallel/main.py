@@ -24,6 +24,7 @@ import dataclasses
 import importlib
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 if __package__ in (None, ""):  # run as a script: make the `lessons` package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -374,18 +375,25 @@ def shard_bytes(seq: int, heads: int, head_dim: int, cp: int, itemsize: int) -> 
     return heads * (seq // cp) * head_dim * itemsize
 
 
-def ring_bytes_per_rank(seq: int, heads: int, head_dim: int, cp: int, itemsize: int) -> dict:
+class Bytes(NamedTuple):
+    """Bytes one rank sends in the forward and in the backward pass."""
+
+    forward: int
+    backward: int
+
+
+def ring_bytes_per_rank(seq: int, heads: int, head_dim: int, cp: int, itemsize: int) -> Bytes:
     """Ring attention, bytes one rank sends: forward 2 (cp - 1) B, backward (4 cp - 2) B
     (cp > 1; both 0 at cp = 1). Grows linearly with cp at a fixed shard."""
     b = shard_bytes(seq, heads, head_dim, cp, itemsize)
-    return {"forward": 2 * (cp - 1) * b, "backward": (4 * cp - 2) * b if cp > 1 else 0}
+    return Bytes(2 * (cp - 1) * b, (4 * cp - 2) * b if cp > 1 else 0)
 
 
-def ulysses_bytes_per_rank(seq: int, heads: int, head_dim: int, cp: int, itemsize: int) -> dict:
+def ulysses_bytes_per_rank(seq: int, heads: int, head_dim: int, cp: int, itemsize: int) -> Bytes:
     """Ulysses, bytes one rank sends: four all-to-alls each way, (cp - 1) / cp B each:
     4 (cp - 1) / cp B forward and backward. Bounded by 4 B whatever cp is."""
     b = shard_bytes(seq, heads, head_dim, cp, itemsize)
-    return {"forward": 4 * (cp - 1) * b // cp, "backward": 4 * (cp - 1) * b // cp}
+    return Bytes(4 * (cp - 1) * b // cp, 4 * (cp - 1) * b // cp)
 
 
 def activation_bytes_per_layer(seq: int, hidden: int, heads: int, cp: int = 1, batch: int = 1,

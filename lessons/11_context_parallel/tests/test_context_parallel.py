@@ -190,7 +190,7 @@ class TestRingAttention(RankCase):
         for where, world, _, _, value in self.configs("ring/"):
             with self.subTest(where=where):
                 self.assertNotIn("error", value)
-                self.assertEqual(value["bytes"], M.ring_bytes_per_rank(SEQ, HEADS, HEAD_DIM, world, 8))
+                self.assertEqual(value["bytes"], M.ring_bytes_per_rank(SEQ, HEADS, HEAD_DIM, world, 8)._asdict())
 
     def test_masked_tiles_are_skipped(self):
         for where, world, rank, key, value in self.configs("ring/"):
@@ -214,7 +214,7 @@ class TestUlysses(RankCase):
                 with self.subTest(where=where):
                     self.assertNotIn("error", value)
                     self.assertEqual(value["bytes"],
-                                     M.ulysses_bytes_per_rank(SEQ, HEADS, HEAD_DIM, world, 8))
+                                     M.ulysses_bytes_per_rank(SEQ, HEADS, HEAD_DIM, world, 8)._asdict())
 
     def test_heads_not_divisible(self):
         for where, world, _, _, value in self.configs("heads_refusal"):
@@ -236,8 +236,8 @@ class TestWhole(RankCase):
     def test_bytes_compare(self):
         """Ulysses sends cp / 2 times fewer bytes forward than the ring (equal at cp = 2)."""
         for cp in (2, 4, 8):
-            ring = M.ring_bytes_per_rank(4096, 32, 128, cp, 2)["forward"]
-            ulysses = M.ulysses_bytes_per_rank(4096, 32, 128, cp, 2)["forward"]
+            ring = M.ring_bytes_per_rank(4096, 32, 128, cp, 2).forward
+            ulysses = M.ulysses_bytes_per_rank(4096, 32, 128, cp, 2).forward
             self.assertEqual(ring * 2, ulysses * cp)
 
     def test_demo_passes(self):
@@ -274,17 +274,17 @@ class TestDocNumbers(unittest.TestCase):
         self.assertEqual(b, 2**27)
         ring = M.ring_bytes_per_rank(131072, 32, 128, 8, 2)
         ulysses = M.ulysses_bytes_per_rank(131072, 32, 128, 8, 2)
-        self.assertIn(f"{ring['forward'] / 2**30:.2f} GiB", text)
-        self.assertIn(f"{ulysses['forward'] / 2**20:.0f} MiB", text)
+        self.assertIn(f"{ring.forward / 2**30:.2f} GiB", text)
+        self.assertIn(f"{ulysses.forward / 2**20:.0f} MiB", text)
 
     def test_worked_tiles_and_demo_bytes(self):
         text = readme_text()
         self.assertIn(f"{M.tiles_per_rank(4, 'contiguous')}", text)
         self.assertIn(f"{M.tiles_per_rank(4, 'zigzag')}", text)
         ring = M.ring_bytes_per_rank(64, 4, 8, 4, 8)
-        self.assertIn(f"{ring['forward']:,} B forward and {ring['backward']:,} B backward", text)
+        self.assertIn(f"{ring.forward:,} B forward and {ring.backward:,} B backward", text)
         ulysses = M.ulysses_bytes_per_rank(64, 4, 8, 4, 8)
-        self.assertIn(f"{ulysses['forward']:,} B each way", text)
+        self.assertIn(f"{ulysses.forward:,} B each way", text)
 
 
 class TestCommandLine(unittest.TestCase):
