@@ -10,6 +10,8 @@ bytes sent and the tiles computed, each against its formula in main.py. Then the
 from __future__ import annotations
 
 import argparse
+import copy
+import importlib
 import os
 import time
 
@@ -30,6 +32,8 @@ from lessons._report import (
 )
 
 from . import main as context_parallel
+
+memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT
 
 LESSON = "11_context_parallel"
 # float64: the blocked and ringed sums add the same terms as PyTorch's in another order and
@@ -180,10 +184,74 @@ def verify_worker(ctx: RankContext, seed: int, seq: int, heads: int, head_dim: i
         checks.append(Check("ulysses: torch's all_to_all_single == lesson 01's all_to_all",
                             same, "outputs and gradients bit-identical" if same else "DIFFER"))
     checks += refusal_checks(seq)
+    checks += cp_gpt_steps(ctx, variant, layout)
     return {"checks": [vars(c) for c in checks], "device": ctx.device.type, "backend": ctx.backend,
             "max_abs_err": max(gaps), "bytes": {"forward": run["forward_bytes"],
                                                  "backward": run["backward_bytes"]},
             "tiles": run["tiles"], "seconds": run["seconds"]}
+
+
+# ============================================================================ in a model
+
+
+def cp_layer_forward(layer, x: torch.Tensor, attend) -> torch.Tensor:
+    """Lesson 07's TransformerLayer on this rank's tokens x (n, 1, h), dropout off, with its
+    attention replaced by `attend(q, k, v)` on (H, n, d): everything else is per token."""
+    n, _, h = x.shape
+    heads = layer.heads
+    q, k, v = (t.reshape(n, heads, h // heads).transpose(0, 1)
+               for t in layer.qkv(layer.ln1(x)).split(h, dim=-1))
+    context = attend(q, k, v).transpose(0, 1).reshape(n, 1, h)
+    x = x + layer.out(context)
+    return x + layer.down(F.gelu(layer.up(layer.ln2(x))))
+
+
+def cp_gpt_steps(ctx: RankContext, variant: str, layout: str, steps: int = 3, vocab: int = 11,
+                 layers: int = 2) -> list[Check]:
+    """A few SGD steps of lesson 07's TinyGPT (float64, batch 1, dropout off) with context
+    parallelism against the same steps in one process: the loss of every step and every
+    gradient. CP: each rank embeds its positions, runs the layers with `variant`'s attention,
+    sums its tokens' cross-entropy; the loss is the all-reduced sum / seq, the gradients of the
+    replicated weights are all-reduced over cp (each rank holds only its tokens' share).
+    Sequence 8 cp; 4 heads of 4 (cp heads for Ulysses when cp does not divide 4)."""
+    cp, rank = ctx.world_size, ctx.rank
+    seq, heads = 8 * cp, (cp if variant == "ulysses" and 4 % cp else 4)
+    hidden = 4 * heads
+    torch.manual_seed(0)
+    reference = memory.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0).double().to(ctx.device).eval()
+    model = copy.deepcopy(reference)
+    where = context_parallel.sequence_positions(seq, cp, rank, layout).to(ctx.device)
+    batches = memory.markov_batches(vocab, seq, 1, steps, seed=3)
+    attend = ((lambda q, k, v: context_parallel.ring_attention(q, k, v, seq, True, layout))
+              if variant == "ring" else
+              (lambda q, k, v: context_parallel.ulysses_attention(q, k, v, seq, True, layout)))
+    loss_gap = grad_gap = 0.0
+    for tokens, targets in batches:
+        tokens, targets = tokens.to(ctx.device), targets.to(ctx.device)
+        ref_loss = reference.loss(tokens, targets)
+        ref_loss.backward()
+        x = (model.embed(tokens[:, where]) + model.pos.weight[where]).transpose(0, 1)
+        for layer in model.layers:
+            x = cp_layer_forward(layer, x, attend)
+        logits = model.norm(x)[:, 0] @ model.embed.weight.T
+        local = F.cross_entropy(logits, targets[0, where], reduction="sum") / seq
+        local.backward()
+        loss = local.detach().clone()
+        dist.all_reduce(loss)
+        for param in model.parameters():
+            dist.all_reduce(param.grad)
+        loss_gap = max(loss_gap, abs(loss.item() - ref_loss.item()))
+        grad_gap = max(grad_gap, max(max_abs_diff(p.grad, r.grad) for p, r in
+                                     zip(model.parameters(), reference.parameters())))
+        for net in (model, reference):
+            with torch.no_grad():
+                for param in net.parameters():
+                    param -= 0.1 * param.grad
+                    param.grad = None
+    return [Check(f"GPT ({variant}), {steps} SGD steps: losses == one process", loss_gap <= TOLERANCE,
+                  f"max |diff| {loss_gap:.1e}"),
+            Check(f"GPT ({variant}): every gradient == one process", grad_gap <= TOLERANCE,
+                  f"max |diff| {grad_gap:.1e}")]
 
 
 def try_torch_context_parallel(ctx: RankContext, seq: int, heads: int, head_dim: int) -> str:

@@ -247,6 +247,16 @@ class TestWhole(RankCase):
             ulysses = M.ulysses_bytes_per_rank(4096, 32, 128, cp, 2).forward
             self.assertEqual(ring * 2, ulysses * cp)
 
+    def test_gpt_training_steps_with_cp_equal_one_process(self):
+        """Lesson 07's TinyGPT, 3 SGD steps, float64: CP = 2 (ring, zig-zag) and CP = 3
+        (ring, contiguous) give the losses and gradients of one process."""
+        for world, layout in ((2, "zigzag"), (3, "contiguous")):
+            results = launch(W.gpt_worker, world, ("ring", layout), device="cpu", timeout_s=60)
+            for rank, checks in enumerate(results):
+                for check in checks:
+                    with self.subTest(world=world, rank=rank, check=check["name"]):
+                        self.assertTrue(check["passed"], check["detail"])
+
     def test_demo_passes(self):
         self.assertEqual(C.main(["--device", "cpu", "--world-size", "2", "--seq", "16",
                                  "--variant", "ulysses", "--timeout", "60"]), 0)

@@ -139,3 +139,7 @@ def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
 
 def torch_cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> str:
     return C.try_torch_context_parallel(ctx, seq, heads, head_dim)
+
+
+def gpt_worker(ctx: RankContext, variant: str, layout: str) -> list[dict]:
+    return [vars(check) for check in C.cp_gpt_steps(ctx, variant, layout)]
