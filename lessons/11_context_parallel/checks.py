@@ -35,6 +35,7 @@ from . import main as context_parallel
 
 memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT
 
+
 LESSON = "11_context_parallel"
 # float64: the blocked and ringed sums add the same terms as PyTorch's in another order and
 # rescale by exp(lse_a - lse); ~1e-16 relative on O(1) values. A lost block, a wrong mask or a
@@ -218,7 +219,8 @@ def cp_gpt_steps(ctx: RankContext, variant: str, layout: str, steps: int = 3, vo
     seq, heads = 8 * cp, (cp if variant == "ulysses" and 4 % cp else 4)
     hidden = 4 * heads
     torch.manual_seed(0)
-    reference = memory.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0).double().to(ctx.device).eval()
+    reference = memory.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0)
+    reference = reference.double().to(ctx.device).eval()
     model = copy.deepcopy(reference)
     where = context_parallel.sequence_positions(seq, cp, rank, layout).to(ctx.device)
     batches = memory.markov_batches(vocab, seq, 1, steps, seed=3)

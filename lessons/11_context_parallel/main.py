@@ -13,7 +13,7 @@ The story, top to bottom:
 4. Load balance: the unmasked (query chunk, key chunk) tiles per rank under a causal mask.
 5. Ulysses (DeepSpeed): one all-to-all turns sequence shards into head shards, full-sequence
    attention per head group, one all-to-all back.
-6. The cost model: bytes per rank for both, activation memory per layer with and without CP.
+6. The cost model: bytes per rank for both, activation memory per rank with and without CP.
 
 The proof is in checks.py: `python lessons/11_context_parallel/main.py --world-size 4`.
 """
@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 collectives = importlib.import_module("lessons.01_collectives.main")  # lesson 01's technique
+memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique
 
 # ============================================================================ 1. attention by blocks
 
@@ -396,13 +397,15 @@ def ulysses_bytes_per_rank(seq: int, heads: int, head_dim: int, cp: int, itemsiz
     return Bytes(4 * (cp - 1) * b // cp, 4 * (cp - 1) * b // cp)
 
 
-def activation_bytes_per_layer(seq: int, hidden: int, heads: int, cp: int = 1, batch: int = 1,
-                               flash: bool = True) -> int:
-    """Activation bytes one rank keeps per transformer layer (16-bit, Korthikanti et al.):
-    (seq / cp) b h (34 + 5 a seq / h) without a fused attention kernel (the (seq / cp) x seq
-    scores, softmax and dropout per head), (seq / cp) b h 34 with one (FlashAttention)."""
-    tokens = seq // cp * batch
-    return tokens * hidden * 34 + (0 if flash else 5 * heads * tokens * seq)
+def activation_bytes_per_rank(seq: int, hidden: int, heads: int, cp: int = 1, batch: int = 1,
+                              flash: bool = True) -> int:
+    """Activation bytes one rank keeps per transformer layer, 16-bit: lesson 07's
+    `activation_bytes_per_layer` (Korthikanti et al., s b h (34 + 5 a s / h)) split over cp
+    ranks, (s / cp) b h (34 + 5 a s / h): each rank's s / cp queries against all s keys. With
+    FlashAttention (flash=True) the 5 a s^2 b bytes of scores, softmax and dropout are never
+    kept: (s / cp) b h 34."""
+    total = memory.activation_bytes_per_layer(seq, batch, hidden, heads)
+    return (total - (5 * heads * seq * seq * batch if flash else 0)) // cp
 
 
 if __name__ == "__main__":  # the checks, the report and the CLI: checks.py

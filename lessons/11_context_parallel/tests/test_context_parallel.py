@@ -138,6 +138,28 @@ class TestBlockwiseAttention(unittest.TestCase):
             M.blockwise_attention(q, k, v, causal=True, block=16)
         self.assertEqual(sum(saved.values()), (4 * heads * seq * d + heads * seq) * 8 + 2 * seq * 8)
 
+    def test_lesson_07_tracker_sees_no_seq_by_seq_matrix(self):
+        """Lesson 07's MemoryTracker on the forward: what stays alive is out, lse and the
+        positions; the peak is a few (s x block) tiles, far below one s x s matrix, which
+        plain softmax attention does allocate."""
+        heads, seq, d, block = 2, 512, 4, 16
+        q, k, v, _ = (t.requires_grad_() for t in qkv(6, heads, seq, d))
+        square = heads * seq * seq * 8
+        peaks = {}
+        for name, attend in (("blockwise", lambda: M.blockwise_attention(q, k, v, True, block)),
+                             ("plain", lambda: torch.softmax(q @ k.transpose(-1, -2), -1) @ v)):
+            tracker = M.memory.MemoryTracker()
+            tracker.mark([q, k, v], "parameter")  # the inputs, made before: not activations
+            with tracker, tracker.phase("forward"):
+                out = attend()
+            peaks[name] = tracker.peak_bytes - 3 * heads * seq * d * 8
+            if name == "blockwise":
+                self.assertEqual(tracker.breakdown()["activation"],
+                                 (heads * seq * d + heads * seq) * 8 + 2 * seq * 8)
+            del out
+        self.assertLess(peaks["blockwise"], square / 4)
+        self.assertGreaterEqual(peaks["plain"], square)
+
 
 # ============================================================================ zigzag
 
@@ -278,11 +300,11 @@ class TestDocNumbers(unittest.TestCase):
         text = readme_text()
         s, h, a, layers = 131072, 4096, 32, 32
         for cp in (1, 8, 16):
-            per_layer = M.activation_bytes_per_layer(s, h, a, cp)
+            per_layer = M.activation_bytes_per_rank(s, h, a, cp)
             self.assertIn(f"{per_layer / 1e9:,.2f} GB", text)
             self.assertIn(f"{per_layer * layers / 1e9:,.1f} GB", text)
-        scores = (M.activation_bytes_per_layer(s, h, a, 1, flash=False)
-                  - M.activation_bytes_per_layer(s, h, a, 1))
+        scores = (M.activation_bytes_per_rank(s, h, a, 1, flash=False)
+                  - M.activation_bytes_per_rank(s, h, a, 1))
         self.assertIn(f"{scores / 1e12:,.2f} TB", text)
 
     def test_bytes_at_128k(self):
