@@ -325,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         "forward_seconds_per_rank": [round(r["seconds"], 4) for r in results],
         "bytes_formula": {"ring": ring._asdict(), "ulysses": ulysses._asdict()},
     }
-    metrics["headline"] = (f"{args.variant}: {metrics['bytes_per_rank'][0]} B per rank, "
-                           f"max |err| {metrics['max_abs_err']:.1e}")
+    sent = metrics["bytes_per_rank"][0]
+    metrics["headline"] = (f"{args.variant}: {sent['forward']} B forward + {sent['backward']} B "
+                           f"backward per rank, max |err| {metrics['max_abs_err']:.1e}")
     report = Report(LESSON, results[0]["device"], results[0]["backend"], world, checks, metrics)
     return finish(report, args.json, started)

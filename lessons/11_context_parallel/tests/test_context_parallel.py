@@ -23,6 +23,7 @@ from lessons._testing import (
 M = importlib.import_module("lessons.11_context_parallel.main")
 C = importlib.import_module("lessons.11_context_parallel.checks")
 W = importlib.import_module("lessons.11_context_parallel.tests.workers")
+B = importlib.import_module("lessons.11_context_parallel.bench")
 README = Path(M.__file__).with_name("README.md")
 WORLDS = (1, 2, 3, 4)
 SEQ, HEADS, HEAD_DIM = 24, 12, 4  # 24 divisible by 2 cp and 12 by cp for cp = 1..4
@@ -278,6 +279,11 @@ class TestWhole(RankCase):
                 for check in checks:
                     with self.subTest(world=world, rank=rank, check=check["name"]):
                         self.assertTrue(check["passed"], check["detail"])
+
+    def test_bench_replays_each_ranks_tiles(self):
+        for layout in M.LAYOUTS:
+            tiles = [B.rank_compute(32, 4, rank, layout, 1, 2)[0] for rank in range(4)]
+            self.assertEqual(tiles, M.tiles_per_rank(4, layout))
 
     def test_demo_passes(self):
         self.assertEqual(C.main(["--device", "cpu", "--world-size", "2", "--seq", "16",
