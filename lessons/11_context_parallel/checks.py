@@ -295,6 +295,8 @@ def parse_args(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     check_args(parser, args)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    if args.quick:  # the smallest sequence both layouts can cut: 2 positions per chunk
+        args.seq = 4 * world
     if args.seq % (2 * world):
         parser.error(f"--seq {args.seq} is not divisible by 2 x the world size = {2 * world} "
                      "(both layouts cut it into 2 cp equal chunks)")
