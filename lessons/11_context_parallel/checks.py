@@ -256,6 +256,26 @@ def cp_gpt_steps(ctx: RankContext, variant: str, layout: str, steps: int = 3, vo
                   f"max |diff| {grad_gap:.1e}")]
 
 
+def activation_worker(ctx: RankContext, seqs: list[int], hidden: int = 16, heads: int = 4) -> list[int]:
+    """Bytes one rank keeps for backward (lesson 07's MemoryTracker, forward phase) in one of
+    lesson 07's layers with ring attention (zig-zag, causal, float64), per sequence length:
+    every tensor kept is per token, so the bytes are 1/cp of one process's."""
+    torch.manual_seed(0)
+    layer = memory.TransformerLayer(hidden, heads, dropout=0.0).double().to(ctx.device)
+    kept = []
+    for seq in seqs:
+        n = seq // ctx.world_size
+        x = torch.randn(n, 1, hidden, dtype=torch.float64, device=ctx.device, requires_grad=True)
+        tracker = memory.MemoryTracker()
+        tracker.mark([x, *layer.parameters()], "parameter")  # made before: not activations
+        with tracker, tracker.phase("forward"):
+            y = cp_layer_forward(layer, x, lambda q, k, v, s=seq: context_parallel.ring_attention(
+                q, k, v, s, True, "zigzag"))
+        kept.append(tracker.breakdown()["activation"])
+        del y
+    return kept
+
+
 def try_torch_context_parallel(ctx: RankContext, seq: int, heads: int, head_dim: int) -> str:
     """Run PyTorch's own `context_parallel` on this group; returns "ok ..." or the error line.
     (torch 2.13 on CPU: sdpa's CPU kernel has no sharding strategy registered.)"""

@@ -280,6 +280,16 @@ class TestWhole(RankCase):
                     with self.subTest(world=world, rank=rank, check=check["name"]):
                         self.assertTrue(check["passed"], check["detail"])
 
+    def test_activation_bytes_per_rank_scale_as_one_over_cp(self):
+        """Lesson 07's tracker on a layer with ring attention: the bytes kept per rank are
+        exactly 1/cp of one process's, and grow linearly with the sequence."""
+        kept = {world: launch(C.activation_worker, world, ([16, 32],), device="cpu", timeout_s=60)
+                for world in (1, 2)}
+        one = kept[1][0]
+        self.assertEqual(one[1], 2 * one[0])
+        for per_rank in kept[2]:
+            self.assertEqual([2 * b for b in per_rank], one)
+
     def test_bench_replays_each_ranks_tiles(self):
         for layout in M.LAYOUTS:
             tiles = [B.rank_compute(32, 4, rank, layout, 1, 2)[0] for rank in range(4)]
