@@ -402,8 +402,9 @@ def activation_bytes_per_rank(seq: int, hidden: int, heads: int, cp: int = 1, ba
     """Activation bytes one rank keeps per transformer layer, 16-bit: lesson 07's
     `activation_bytes_per_layer` (Korthikanti et al., s b h (34 + 5 a s / h)) split over cp
     ranks, (s / cp) b h (34 + 5 a s / h): each rank's s / cp queries against all s keys. With
-    FlashAttention (flash=True) the 5 a s^2 b bytes of scores, softmax and dropout are never
-    kept: (s / cp) b h 34."""
+    FlashAttention (flash=True) the 5 a s^2 b bytes of softmax output, dropout mask and
+    dropout output are never kept: (s / cp) b h 34. Simplified: Korthikanti et al. count a
+    GPT-style layer (4h GeLU MLP, dropout), not a Llama SwiGLU layer."""
     total = memory.activation_bytes_per_layer(seq, batch, hidden, heads)
     return (total - (5 * heads * seq * seq * batch if flash else 0)) // cp
 
