@@ -76,7 +76,8 @@ def reference(inputs: dict, top_k: int, capacity_factor: float, aux_coef: float)
     results = [expert_parallel.moe_layer(x[g], *params, top_k, capacity_factor) for g in range(x.shape[0])]
     sum(layer_loss(r, inputs["w"][g], aux_coef) for g, r in enumerate(results)).backward()
     return {"out": [r.out.detach() for r in results], "aux": [r.aux_loss.item() for r in results],
-            "z": [r.z_loss.item() for r in results], "routing": [(r.routing.experts, r.keep) for r in results],
+            "z": [r.z_loss.item() for r in results],
+            "routing": [(r.routing.experts, r.keep) for r in results],
             "x_grad": x.grad, "router_grad": params[0].grad, "w_in_grad": params[1].grad,
             "w_out_grad": params[2].grad}
 

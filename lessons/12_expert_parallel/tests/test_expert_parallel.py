@@ -144,7 +144,7 @@ class TestExpertParallel(RankCase):
                     self.assertLessEqual(value[key], C.TOLERANCE, key)
 
     def test_rows_sent_and_received_follow_the_routing(self):
-        for where, _, rank, _, value, per_rank in self.configs("ep/"):
+        for where, _, rank, _, value, _ in self.configs("ep/"):
             with self.subTest(where=where):
                 self.assertNotIn("error", value, value.get("error"))
                 rows = value["rows"]
@@ -154,7 +154,7 @@ class TestExpertParallel(RankCase):
     def test_tokens_conserved(self):
         """routed = kept + dropped on every rank; what all ranks receive = what they kept;
         nothing dropped without a capacity limit."""
-        for where, world, rank, key, value, per_rank in self.configs("ep/"):
+        for where, _, rank, key, value, per_rank in self.configs("ep/"):
             with self.subTest(where=where):
                 self.assertNotIn("error", value, value.get("error"))
                 top_k, factor = int(key.split("/")[1]), float(key.split("/")[2])
@@ -229,7 +229,8 @@ class TestWhole(RankCase):
         """The one-process layer against its definition, token by token."""
         inputs = C.make_inputs(0, 1, 16, 6, 8, 4, "cpu")
         for top_k, factor in ((1, 1.0), (2, 1.0), (2, 0.0)):
-            result = M.moe_layer(inputs["x"][0], inputs["router"], inputs["w_in"], inputs["w_out"], top_k, factor)
+            result = M.moe_layer(inputs["x"][0], inputs["router"], inputs["w_in"], inputs["w_out"],
+                                 top_k, factor)
             expected = torch.zeros_like(inputs["x"][0])
             for t in range(16):
                 for c in range(top_k):

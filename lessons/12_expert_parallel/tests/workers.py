@@ -33,7 +33,9 @@ def oracle_route(x, router_weight, top_k):
 
 
 def oracle_capacity(tokens, num_experts, top_k, factor):
-    return tokens if factor <= 0 or math.isinf(factor) else min(tokens, math.ceil(factor * tokens * top_k / num_experts))
+    if factor <= 0 or math.isinf(factor):
+        return tokens
+    return min(tokens, math.ceil(factor * tokens * top_k / num_experts))
 
 
 def oracle_keep(experts, num_experts, capacity):
