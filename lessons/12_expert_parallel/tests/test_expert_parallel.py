@@ -246,7 +246,57 @@ class TestWhole(RankCase):
 
 
 class TestDocNumbers(unittest.TestCase):
-    """Every number the README and the quiz quote, recomputed (integers: the same on any CPU)."""
+    """Every number the README and the quiz quote, recomputed. The routings are of float64
+    random data, far from ties: the same choices on any CPU (re-run under
+    ATEN_CPU_CAPABILITY=default); the byte counts are integers."""
+
+    def test_mixtral_numbers(self):
+        text = readme_text()
+        ep_bytes = M.balanced_all_to_all_bytes(4096, 4096, 2, 8, 2)
+        dense = M.dense_all_reduce_bytes(4096, 4096, 8, 2)
+        self.assertIn(f"{ep_bytes / 2**20:.0f} MiB sent per rank per MoE layer", text)
+        self.assertIn(f"{32 * ep_bytes / 2**30:.1f} GiB over the 32 layers", text)
+        self.assertIn(f"all-reduces {dense / 2**20:.0f} MiB per layer", text)
+        self.assertEqual(ep_bytes, 2 * dense)
+
+    def test_demo_numbers(self):
+        """The demo's defaults: 4 ranks x 32 tokens, 8 experts, top-2, hidden 16, factor 1.25."""
+        text = readme_text()
+        inputs = C.make_inputs(0, 4, 32, 16, 32, 8, "cpu")
+        ref = C.reference(inputs, 2, 1.25, 1e-2)
+        rows = C.routing_rows(ref, 8, 4)
+        dropped = sum(int((~keep).sum()) for _, keep in ref["routing"])
+        forward, backward = M.ep_bytes_per_rank(rows, 0, 16, 8, 2)
+        self.assertIn(f"C = {M.expert_capacity(32, 8, 2, 1.25)})", text)
+        self.assertIn(f"{dropped} of the {4 * 32 * 2} assignments are dropped", text)
+        self.assertIn(f"rows {rows[0]} to ranks 0-3 and {forward:,} B forward, {backward:,} B backward", text)
+
+    def test_token_flow_numbers(self):
+        """The step drawn in 'The idea': ep 2, 4 experts, top-1, 8 tokens, factor 1.0."""
+        text = readme_text()
+        inputs = C.make_inputs(0, 2, 8, 16, 32, 4, "cpu")
+        ref = C.reference(inputs, 1, 1.0, 1e-2)
+        self.assertEqual(M.expert_capacity(8, 4, 1, 1.0), 2)
+        for rank, (experts, keep) in enumerate(ref["routing"]):
+            choices = ", ".join(str(e) for e in experts[:, 0].tolist())
+            phrase = "tokens choose experts" if rank == 0 else "tokens choose"
+            self.assertIn(f"{phrase} {choices}", text)
+            self.assertEqual((~keep[:, 0]).nonzero().flatten().tolist(), [4])
+            per_expert = torch.bincount(experts[keep], minlength=4).tolist()
+            self.assertIn(f"counts per expert {per_expert}", text)
+        rows = C.routing_rows(ref, 4, 2)
+        self.assertEqual(rows, [[4, 3], [4, 3]])
+        forward, backward = M.ep_bytes_per_rank(rows, 0, 16, 8, 2)
+        self.assertIn(f"= {forward} B forward, {backward} B backward", text)
+
+    def test_quiz_numbers(self):
+        import json
+
+        quiz = json.loads(README.with_name("quiz.json").read_text())
+        answers = {q["id"]: q.get("answer") for q in quiz["questions"]}
+        self.assertEqual(answers["capacity-demo"], M.expert_capacity(32, 8, 2, 1.25))
+        self.assertEqual(answers["flow-bytes"], M.ep_bytes_per_rank([[4, 3], [4, 3]], 0, 16, 8, 2).forward)
+        self.assertEqual(answers["mixtral-mib"], M.balanced_all_to_all_bytes(4096, 4096, 2, 8, 2) / 2**20)
 
 
 class TestCommandLine(unittest.TestCase):
