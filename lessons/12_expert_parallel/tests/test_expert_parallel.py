@@ -20,6 +20,7 @@ from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 M = importlib.import_module("lessons.12_expert_parallel.main")
 C = importlib.import_module("lessons.12_expert_parallel.checks")
 W = importlib.import_module("lessons.12_expert_parallel.tests.workers")
+B = importlib.import_module("lessons.12_expert_parallel.bench")
 README = Path(M.__file__).with_name("README.md")
 WORLDS = (1, 2, 4)
 TOKENS, HIDDEN, FFN, EXPERTS = 12, 6, 8, 4
@@ -240,6 +241,21 @@ class TestWhole(RankCase):
                             inputs["x"][0][t:t + 1], inputs["w_in"][e], inputs["w_out"][e])[0]
             with self.subTest(top_k=top_k, factor=factor):
                 self.assertLessEqual((result.out - expected).abs().max().item(), C.TOLERANCE)
+
+    def test_grouped_matmul_equals_the_loop(self):
+        """bench.py's padded, batched form gives the loop's output (float64), drops included."""
+        inputs = C.make_inputs(1, 1, 24, 6, 8, 4, "cpu")
+        args = (inputs["x"][0], inputs["router"], inputs["w_in"], inputs["w_out"])
+        for top_k, factor in ((1, 1.0), (2, 1.25), (2, 0.0)):
+            with self.subTest(top_k=top_k, factor=factor):
+                loop = M.moe_layer(*args, top_k, factor).out
+                self.assertLessEqual((B.grouped_moe(*args, top_k, factor) - loop).abs().max().item(),
+                                     C.TOLERANCE)
+
+    def test_router_load_run_counts_every_assignment(self):
+        loads = B.router_load_run(1.0, steps=2, tokens=16)
+        self.assertEqual([sum(step) for step in loads], [32, 32])
+        self.assertEqual(B.rank_loads([1, 2, 3, 4, 5, 6, 7, 8], 4), [3, 7, 11, 15])
 
     def test_demo_passes(self):
         self.assertEqual(C.main(["--device", "cpu", "--world-size", "2", "--quick", "--timeout", "60"]), 0)
