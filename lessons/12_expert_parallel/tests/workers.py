@@ -1,10 +1,11 @@
 """Functions that lesson 12's tests run on spawned ranks (importable by their dotted name).
 
 One launch per world size runs every configuration. The dispatch-combine exercise is tested
-alone: the router and capacity pieces it needs are replaced by oracles written here (topk of
-a softmax, the drop order by a plain loop), so a mistake there fails that exercise's tests and
-not this one's. Every configuration runs in its own try: a stub that raises is a failed result,
-not a dead rank. The unpatched run (everything the learner wrote together) is the integration.
+alone: the router, capacity and routing-count pieces it needs are replaced by oracles written
+here (a sort of the softmax, the drop order by a plain loop, the counts by a comprehension),
+so a mistake there fails that exercise's tests and not this one's. Every configuration runs
+in its own try: a stub that raises is a failed result, not a dead rank. The unpatched run
+(everything the learner wrote together) is the integration.
 """
 
 from __future__ import annotations
@@ -60,13 +61,19 @@ def oracle_z(routing):
     return (routing.logits.exp().sum(1).log() ** 2).mean()
 
 
+def oracle_dispatch_counts(experts, keep, num_experts, ep):
+    per = num_experts // ep
+    return [sum(1 for e in experts[keep].tolist() if e // per == rank) for rank in range(ep)]
+
+
 ORACLES = {"route": oracle_route, "expert_capacity": oracle_capacity, "keep_mask": oracle_keep,
-           "load_balancing_loss": oracle_aux, "router_z_loss": oracle_z}
+           "load_balancing_loss": oracle_aux, "router_z_loss": oracle_z,
+           "dispatch_counts": oracle_dispatch_counts}
 
 
 @contextlib.contextmanager
 def oracles():
-    """main.py's router and capacity pieces replaced by the oracles."""
+    """main.py's router, capacity and routing-count pieces replaced by the oracles."""
     with contextlib.ExitStack() as stack:
         for attr, oracle in ORACLES.items():
             stack.enter_context(mock.patch.object(M, attr, oracle))
