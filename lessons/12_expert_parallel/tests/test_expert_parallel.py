@@ -305,6 +305,19 @@ class TestDocNumbers(unittest.TestCase):
         forward, backward = M.ep_bytes_per_rank(rows, 0, 16, 8, 2)
         self.assertIn(f"= {forward} B forward, {backward} B backward", text)
 
+    def test_router_load_run(self):
+        """bench.py's training run, with and without the auxiliary loss (float64)."""
+        text = readme_text()
+        for coef in (0.0, 1.0):
+            last = B.router_load_run(coef)[-1]
+            ranks = B.rank_loads(last, 4)
+            with self.subTest(coef=coef):
+                line = (f"aux coef {coef:<5}: ... last {last}, imbalance "
+                        f"{M.load_imbalance(last):.2f}, per rank (ep 4) {ranks}")
+                self.assertIn(" ".join(line.split()), text)
+        self.assertIn("busiest rank gets 170 of the 512 rows where 128 is the fair share", text)
+        self.assertIn(f"{170 / 128:.2f} times as long", text)
+
     def test_quiz_numbers(self):
         import json
 
