@@ -129,7 +129,7 @@ def conservation_checks(run: dict, tokens: int, top_k: int, experts: int) -> lis
     """Sent = received + dropped, over all ranks; nothing dropped at infinite capacity."""
     stats = run["stats"]
     totals = torch.tensor([tokens * top_k, sum(stats.send_counts), sum(stats.recv_counts),
-                           stats.dropped], dtype=torch.int64)
+                           stats.dropped], dtype=torch.int64, device=run["out"].device)
     dist.all_reduce(totals)
     routed, sent, received, dropped = totals.tolist()
     every = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(1))
@@ -202,7 +202,8 @@ def verify_worker(ctx: RankContext, seed: int, tokens: int, hidden: int, ffn: in
     checks += found
     checks += refusal_checks(ep)
     checks += ep_dp_steps(ctx, 2 if ep % 2 == 0 else 1, top_k, capacity_factor, aux_coef)
-    imbalance = torch.tensor(run["stats"].expert_rows + [sum(run["stats"].recv_counts)], dtype=torch.float64)
+    imbalance = torch.tensor(run["stats"].expert_rows + [sum(run["stats"].recv_counts)], dtype=torch.float64,
+                             device=ctx.device)
     gathered = [torch.empty_like(imbalance) for _ in range(ep)]
     dist.all_gather(gathered, imbalance)
     per_expert = [int(v) for g in gathered for v in g[:-1].tolist()]
