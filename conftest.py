@@ -14,6 +14,8 @@ from collections import defaultdict
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+import lessons  # noqa: E402,F401  (starts the launcher's forkserver now, before `course` may import it)
+
 _SECONDS: dict[str, float] = defaultdict(float)
 _COUNTS: dict[str, int] = defaultdict(int)
 

@@ -6,10 +6,30 @@ catalog.json is the index of lessons and the source of truth for the runner and 
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from pathlib import Path
 
 from jsonschema import Draft202012Validator
+
+
+def _import_lessons_without_a_forkserver() -> None:
+    """`import lessons` starts the launcher's forkserver, which imports torch (lessons/_prewarm.py).
+    The course commands run demos and grading in subprocesses and launch no ranks themselves,
+    so they import the package with prewarming off; the environment their subprocesses inherit
+    is restored (those still prewarm). Where `lessons` is already imported, nothing changes."""
+    saved = os.environ.get("_DTFS_NO_PREWARM")
+    os.environ["_DTFS_NO_PREWARM"] = "1"
+    try:
+        import lessons  # noqa: F401
+    finally:
+        if saved is None:
+            os.environ.pop("_DTFS_NO_PREWARM", None)
+        else:
+            os.environ["_DTFS_NO_PREWARM"] = saved
+
+
+_import_lessons_without_a_forkserver()
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CATALOG_PATH = REPO_ROOT / "catalog.json"

@@ -176,6 +176,10 @@ class TestGrading(unittest.TestCase):
     def setUp(self):
         self.tmp = Path(tempfile.mkdtemp())
         self.addCleanup(shutil.rmtree, self.tmp)
+        # the toy lesson launches no ranks: its grading processes need no forkserver
+        patcher = unittest.mock.patch.dict("os.environ", {"_DTFS_NO_PREWARM": "1"})
+        patcher.start()
+        self.addCleanup(patcher.stop)
 
     def test_reference_untouched_and_planted_bug(self):
         reference = self.grade(self.tmp / "reference", TOY_MAIN)
