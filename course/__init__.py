@@ -17,7 +17,8 @@ def _import_lessons_without_a_forkserver() -> None:
     """`import lessons` starts the launcher's forkserver, which imports torch (lessons/_prewarm.py).
     The course commands run demos and grading in subprocesses and launch no ranks themselves,
     so they import the package with prewarming off; the environment their subprocesses inherit
-    is restored (those still prewarm). Where `lessons` is already imported, nothing changes."""
+    is restored (those still prewarm). Where `lessons` is already imported, nothing changes.
+    The variable is lessons._prewarm.NO_PREWARM, spelled out: importing it would prewarm."""
     saved = os.environ.get("_DTFS_NO_PREWARM")
     os.environ["_DTFS_NO_PREWARM"] = "1"
     try:

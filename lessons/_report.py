@@ -208,10 +208,6 @@ def run_main(body: Callable[[], int]) -> None:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         code = 130
-    except SystemExit as exc:  # argparse's exit 2, --help's exit 0
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if exc.code is not None and not isinstance(exc.code, int):
-            print(exc.code, file=sys.stderr)
     if under_torchrun():
         end_torchrun_process(code)
     sys.exit(code)

@@ -13,6 +13,7 @@ import unittest.mock
 from pathlib import Path
 
 from lessons import _exercises as ex
+from lessons._prewarm import NO_PREWARM
 from tests._course import REPO_ROOT
 
 TOY_MAIN = '''\
@@ -177,7 +178,7 @@ class TestGrading(unittest.TestCase):
         self.tmp = Path(tempfile.mkdtemp())
         self.addCleanup(shutil.rmtree, self.tmp)
         # the toy lesson launches no ranks: its grading processes need no forkserver
-        patcher = unittest.mock.patch.dict("os.environ", {"_DTFS_NO_PREWARM": "1"})
+        patcher = unittest.mock.patch.dict("os.environ", {NO_PREWARM: "1"})
         patcher.start()
         self.addCleanup(patcher.stop)
 
