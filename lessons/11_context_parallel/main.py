@@ -207,13 +207,17 @@ class RingStats:
     tiles: int = 0
 
 
-def start_ring_pass(tensor: torch.Tensor, stats: RingStats) -> tuple[torch.Tensor, list]:
-    """Send `tensor` to rank + 1 and receive its like from rank - 1 as ONE grouped
-    send/receive (safe under NCCL); returns (receive buffer, requests to wait on)."""
-    rank, cp = dist.get_rank(), dist.get_world_size()
+def start_ring_pass(tensor: torch.Tensor, stats: RingStats,
+                    group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, list]:
+    """Send `tensor` to rank + 1 and receive its like from rank - 1 of `group` (None: the
+    default group; a mesh's cp dimension in the capstone) as ONE grouped send/receive (safe
+    under NCCL); returns (receive buffer, requests to wait on)."""
+    rank, cp = dist.get_rank(group), dist.get_world_size(group)
+    after, before = (rank + 1) % cp, (rank - 1) % cp
+    if group is not None:  # point-to-point messages name global ranks
+        after, before = dist.get_global_rank(group, after), dist.get_global_rank(group, before)
     received = torch.empty_like(tensor)
-    return received, collectives.start_exchange([(tensor, (rank + 1) % cp)],
-                                                [(received, (rank - 1) % cp)], stats.traffic)
+    return received, collectives.start_exchange([(tensor, after)], [(received, before)], stats.traffic)
 
 
 def finish(received: torch.Tensor, requests: list) -> torch.Tensor:
@@ -229,7 +233,7 @@ def finish(received: torch.Tensor, requests: list) -> torch.Tensor:
 #   home. cp - 1 forward steps; none at all for cp = 1.
 class RingAttention(torch.autograd.Function):
     """Attention of this rank's queries to the whole sequence, the sequence split over the cp
-    ranks of the default group by `layout` (sequence_positions).
+    ranks of `group` (None: the default group) by `layout` (sequence_positions).
 
     q, k, v (H, seq / cp, d): this rank's shard. Returns out (H, seq / cp, d) = the rows of
     full attention at this rank's positions. Forward: cp - 1 exchange steps, each sending the
@@ -240,14 +244,14 @@ class RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, seq: int, causal: bool, layout: str, stats: RingStats):
-        rank, cp = dist.get_rank(), dist.get_world_size()
+    def forward(ctx, q, k, v, seq: int, causal: bool, layout: str, stats: RingStats, group):
+        rank, cp = dist.get_rank(group), dist.get_world_size(group)
         q_pos = sequence_positions(seq, cp, rank, layout).to(q.device)
         out, lse = torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"))
         held = torch.stack([k, v])
         for step in range(cp):
             if step < cp - 1:  # the next block travels while this one is computed
-                incoming = start_ring_pass(held, stats)
+                incoming = start_ring_pass(held, stats, group)
                 stats.forward_steps += 1
             k_pos = sequence_positions(seq, cp, (rank - step) % cp, layout).to(q.device)
             for qs, ks, mask in tiles(q_pos, k_pos, causal):
@@ -257,13 +261,13 @@ class RingAttention(torch.autograd.Function):
             if step < cp - 1:
                 held = finish(*incoming)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.seq, ctx.causal, ctx.layout, ctx.stats = seq, causal, layout, stats
+        ctx.seq, ctx.causal, ctx.layout, ctx.stats, ctx.group = seq, causal, layout, stats, group
         return out
 
     @staticmethod
     def backward(ctx, d_out):
         q, k, v, out, lse = ctx.saved_tensors
-        rank, cp = dist.get_rank(), dist.get_world_size()
+        rank, cp = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
         q_pos = sequence_positions(ctx.seq, cp, rank, ctx.layout).to(q.device)
         delta = (d_out * out).sum(-1)
         dq = torch.zeros_like(q)
@@ -278,16 +282,18 @@ class RingAttention(torch.autograd.Function):
                 d_held[1][:, ks] += c
             if cp > 1:  # the gradients travel with their block; after the last step, home
                 moving = torch.cat([held, d_held]) if step < cp - 1 else d_held
-                moved = finish(*start_ring_pass(moving, ctx.stats))
+                moved = finish(*start_ring_pass(moving, ctx.stats, ctx.group))
                 ctx.stats.backward_steps += 1
                 held, d_held = (moved[:2], moved[2:]) if step < cp - 1 else (held, moved)
-        return dq, d_held[0], d_held[1], None, None, None, None
+        return dq, d_held[0], d_held[1], None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: int, causal: bool = True,
-                   layout: str = "zigzag", stats: RingStats | None = None) -> torch.Tensor:
-    """`RingAttention` on this rank's shard (see there); stats counts what it did."""
-    return RingAttention.apply(q, k, v, seq, causal, layout, stats or RingStats())
+                   layout: str = "zigzag", stats: RingStats | None = None,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`RingAttention` on this rank's shard of the cp ranks of `group` (see there); stats
+    counts what it did."""
+    return RingAttention.apply(q, k, v, seq, causal, layout, stats or RingStats(), group)
 
 
 # ============================================================================ 5. Ulysses

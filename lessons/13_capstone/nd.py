@@ -1,0 +1,602 @@
+"""The capstone in N dimensions: DP (ZeRO-1) x TP (+ sequence parallel) x PP x CP on one mesh.
+
+Every earlier lesson built one way to split a training step. Here they compose, each piece
+imported from its lesson, on one DeviceMesh whose four dimensions are nested like torchtitan's
+(outermost first): pp, dp, cp, tp. In the order a step meets them:
+
+1. the mesh: `Layout` (dp, tp, pp, cp; their product is the world size), each rank's
+   coordinates, and which ranks share each dimension (a pure enumeration a test holds
+   `init_device_mesh`'s groups to);
+2. the model, one process: `GPT` (token and position tables, pre-norm blocks, final norm,
+   untied head), the run every layout must reproduce;
+3. one rank's part: the blocks of its pipeline stage (lesson 05's split), each a lesson 04
+   sequence-parallel block over tp whose attention is lesson 11's ring over cp; its tokens
+   are the zig-zag positions of its cp rank, then its tp rank's contiguous piece of them;
+4. the step: lesson 05's 1F1B `pipeline_step` over pp (its micro-batches are the gradient
+   accumulation), then the gradients summed where they are partial (tp for the replicated
+   parameters under sequence parallelism, cp for all), ZeRO-1 over dp (lesson 03: reduce-
+   scatter the mean, AdamW on the shard, all-gather), global-norm clipping with every
+   gradient element counted once, and the logged loss reduced over tp, cp and dp and sent
+   from the last stage to every rank;
+5. checkpoints that name where each shard lives in the global tensors, so a run saved in
+   one layout resumes in another (lesson 06's protocol writes and verifies the files).
+
+Simplified against Megatron-LM and torchtitan: the vocabulary is not split over tp (every tp
+rank holds both tables and the head), no dropout (with TP it needs per-region RNG streams),
+one model chunk per stage, ZeRO-1 only, and point-to-point rings rather than fused kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the `lessons` package importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+collectives = importlib.import_module("lessons.01_collectives.main")  # chunk_bounds, Traffic
+zero = importlib.import_module("lessons.03_zero.main")  # ZeroStage1, shard_bounds
+tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")  # SP blocks
+pipeline = importlib.import_module("lessons.05_pipeline.main")  # 1F1B, pipeline_step
+checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # cosine_with_warmup
+context_parallel = importlib.import_module("lessons.11_context_parallel.main")  # ring attention
+
+# ============================================================================ 1. the mesh
+
+DIMS = ("pp", "dp", "cp", "tp")  # outermost first: tp neighbours are adjacent ranks (one node)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How many ranks split each dimension; world size = dp x tp x pp x cp."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def sizes(self) -> tuple[int, ...]:
+        """The mesh's shape, in DIMS order."""
+        return tuple(getattr(self, dim) for dim in DIMS)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """rank -> its index along each dimension (row-major over DIMS: tp varies fastest)."""
+        coords = {}
+        for dim, size in reversed(list(zip(DIMS, self.sizes()))):
+            rank, coords[dim] = divmod(rank, size)
+        return {dim: coords[dim] for dim in DIMS}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for dim, size in zip(DIMS, self.sizes()):
+            rank = rank * size + coords[dim]
+        return rank
+
+    def __str__(self) -> str:
+        return " x ".join(f"{dim}{getattr(self, dim)}" for dim in ("dp", "tp", "pp", "cp")
+                          if getattr(self, dim) > 1) or "one rank"
+
+
+def dimension_groups(layout: Layout, dim: str) -> list[list[int]]:
+    """The groups of ranks that share every coordinate but `dim`'s: the ranks one collective
+    over `dim` spans (e.g. tp on dp2 x tp2: [[0, 1], [2, 3]]; dp: [[0, 2], [1, 3]])."""
+    others = [d for d in DIMS if d != dim]
+    groups = []
+    for values in itertools.product(*(range(getattr(layout, d)) for d in others)):
+        fixed = dict(zip(others, values))
+        groups.append([layout.rank_of({**fixed, dim: i}) for i in range(getattr(layout, dim))])
+    return groups
+
+
+def build_mesh(layout: Layout, device_type: str):
+    """torch's DeviceMesh over the default group (a collective: every rank calls it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout.world != dist.get_world_size():
+        raise ValueError(f"layout {layout} needs {layout.world} ranks, the group has "
+                         f"{dist.get_world_size()}")
+    return init_device_mesh(device_type, layout.sizes(), mesh_dim_names=DIMS)
+
+
+# ============================================================================ 2. the model
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    """The model and the run. Every layout trains the same global batch per step:
+    `global_batch` sequences of `seq` tokens, each dp replica's share cut into `microbatches`."""
+
+    vocab: int = 32
+    hidden: int = 32
+    heads: int = 4
+    layers: int = 4
+    seq: int = 16
+    global_batch: int = 8
+    microbatches: int = 2
+    steps: int = 4
+    lr: float = 3e-3
+    warmup: int = 2
+    clip: float = 1.0
+    weight_decay: float = 0.1
+    seed: int = 0
+
+    def fingerprint(self) -> str:
+        """The run's identity, the same in every layout (a checkpoint resumes in any)."""
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
+        return checkpointing.sha256_hex(text.encode())[:16]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block on (s, b, h): x + o(attn(q, k, v of ln1 x)), then
+    + down(gelu(up(ln2 x))); the attributes lesson 04's TensorParallelBlock splits."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.ln1(x)
+        x = x + self.o(tensor_parallel.causal_attention(self.q(a), self.k(a), self.v(a), self.heads))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """tokens (b, s) -> logits (b, s, vocab): embed + learned positions, `layers` Blocks,
+    final LayerNorm, untied head (no bias)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.embed = nn.Embedding(config.vocab, config.hidden)
+        self.pos = nn.Embedding(config.seq, config.hidden)
+        self.blocks = nn.ModuleList(Block(config.hidden, config.heads) for _ in range(config.layers))
+        self.norm = nn.LayerNorm(config.hidden)
+        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
+        for table in (self.embed, self.pos):
+            nn.init.normal_(table.weight, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = (self.embed(tokens) + self.pos.weight[: tokens.shape[1]]).transpose(0, 1)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x)).transpose(0, 1)
+
+
+def build_gpt(config: GPTConfig, dtype: torch.dtype = torch.float32) -> GPT:
+    """The same initial weights on every rank: seeded, built on the CPU."""
+    torch.manual_seed(config.seed)
+    return GPT(config).to(dtype)
+
+
+def adamw(params_by_dim: list[tuple[torch.Tensor, int]], config: GPTConfig) -> torch.optim.AdamW:
+    """AdamW with nanoGPT's groups: tensors of 2+ dimensions decay (judged by the dimension of
+    the parameter each tensor is, or is a shard of), the others do not."""
+    decay = [p for p, dim in params_by_dim if dim >= 2]
+    keep = [p for p, dim in params_by_dim if dim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                              {"params": keep, "weight_decay": 0.0}], lr=config.lr, foreach=False)
+
+
+def train_one_process(config: GPTConfig, batches: list[torch.Tensor],
+                      dtype: torch.dtype = torch.float64) -> tuple[list[tuple[float, float]], GPT]:
+    """The reference every layout must equal: whole batches (B, seq + 1), mean cross-entropy,
+    torch's clip_grad_norm_, AdamW, warmup + cosine. Returns [(loss, norm before clipping)]."""
+    model = build_gpt(config, dtype)
+    optimizer = adamw([(p, p.dim()) for p in model.parameters()], config)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
+    history = []
+    for windows in batches:
+        logits = model(windows[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, config.vocab), windows[:, 1:].reshape(-1))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        history.append((loss.item(), norm.item()))
+    return history, model
+
+
+# ============================================================================ 3. one rank's part
+
+
+def local_positions(seq: int, layout: Layout, cp_rank: int, tp_rank: int) -> torch.Tensor:
+    """The sequence positions one rank holds: its cp rank's zig-zag chunks (lesson 11), then
+    its tp rank's contiguous piece of those (sequence parallelism): seq / (cp tp) of them."""
+    held = context_parallel.sequence_positions(seq, layout.cp, cp_rank, "zigzag")
+    if held.numel() % layout.tp:
+        raise ValueError(f"seq / cp = {held.numel()} positions do not split over tp = {layout.tp}")
+    size = held.numel() // layout.tp
+    return held[tp_rank * size:(tp_rank + 1) * size]
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where a rank's tensor sits in the global one: replicated (dim None), or rank r of the
+    tp ranks holds, along `dim`, piece r of each of `parts` equal parts (fused QKV: 3)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int | None = None
+    parts: int = 1
+
+
+def cut(full: torch.Tensor, placement: Placement, rank: int, size: int) -> torch.Tensor:
+    """The piece of the global tensor `full` that tp rank `rank` of `size` holds."""
+    if placement.dim is None:
+        return full.clone()
+    return torch.cat([part.chunk(size, placement.dim)[rank]
+                      for part in full.chunk(placement.parts, placement.dim)], placement.dim)
+
+
+def join(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
+    """`cut`'s inverse: the global tensor from every tp rank's piece, in tp-rank order."""
+    if placement.dim is None:
+        return pieces[0].clone()
+    split = [piece.chunk(placement.parts, placement.dim) for piece in pieces]
+    return torch.cat([torch.cat([s[j] for s in split], placement.dim)
+                      for j in range(placement.parts)], placement.dim)
+
+
+class Embedding(nn.Module):
+    """Stage 0's entry: tokens (b, n) at this rank's positions -> (n, b, h). Replicated."""
+
+    def __init__(self, gpt: GPT, positions: torch.Tensor):
+        super().__init__()
+        self.embed = nn.Parameter(gpt.embed.weight.detach().clone())
+        self.pos = nn.Parameter(gpt.pos.weight.detach().clone())
+        self.register_buffer("positions", positions, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (F.embedding(tokens, self.embed) + self.pos[self.positions]).transpose(0, 1)
+
+
+class Head(nn.Module):
+    """The last stage's exit: (n, b, h) -> logits (n, b, vocab). Replicated."""
+
+    def __init__(self, gpt: GPT):
+        super().__init__()
+        self.norm = nn.LayerNorm(gpt.norm.normalized_shape).to(gpt.norm.weight.dtype)
+        self.norm.load_state_dict(gpt.norm.state_dict())
+        self.head = nn.Parameter(gpt.head.weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.head)
+
+
+class ParallelBlock(tensor_parallel.SequenceParallelBlock):
+    """Lesson 04's sequence-parallel block with lesson 11's ring attention over cp inside:
+    x (n, b, h) on n = seq / (cp tp) positions; the QKV entry gathers the cp rank's seq / cp
+    positions over tp, this rank's H / tp heads attend over the whole sequence round the cp
+    ring, and the O exit reduce-scatters back to n positions."""
+
+    def __init__(self, dense: Block, tp: tensor_parallel.TensorParallelGroup,
+                 cp_group: dist.ProcessGroup, seq: int):
+        super().__init__(dense, tp)
+        self.cp_group, self.seq = cp_group, seq
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """(s / cp, b, heads d) each -> the same shape, heads folded into the ring's batch."""
+        s, b, width = q.shape
+        d = width // self.heads
+
+        def heads_first(t: torch.Tensor) -> torch.Tensor:  # -> (b heads, s / cp, d)
+            return t.reshape(s, b, self.heads, d).permute(1, 2, 0, 3).reshape(b * self.heads, s, d)
+
+        out = context_parallel.ring_attention(heads_first(q), heads_first(k), heads_first(v),
+                                              self.seq, True, "zigzag", group=self.cp_group)
+        return out.reshape(b, self.heads, s, d).permute(2, 0, 1, 3).reshape(s, b, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.o(self.attention(q, k, v))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+BLOCK_PLACEMENTS = {  # local name in a ParallelBlock -> (global suffix, dim, parts)
+    "ln1.weight": ("ln1.weight", None, 1), "ln1.bias": ("ln1.bias", None, 1),
+    "ln2.weight": ("ln2.weight", None, 1), "ln2.bias": ("ln2.bias", None, 1),
+    "qkv.weight": ("qkv.weight", 0, 3), "qkv.bias": ("qkv.bias", 0, 3),  # column-parallel
+    "o.weight": ("o.weight", 1, 1), "o.bias": ("o.bias", None, 1),  # row-parallel
+    "up.weight": ("up.weight", 0, 1), "up.bias": ("up.bias", 0, 1),
+    "down.weight": ("down.weight", 1, 1), "down.bias": ("down.bias", None, 1),
+}
+
+
+def global_state(gpt: GPT) -> dict[str, torch.Tensor]:
+    """The one-process model under the names checkpoints use (q, k, v fused as qkv)."""
+    state = {"embed": gpt.embed.weight, "pos": gpt.pos.weight, "norm.weight": gpt.norm.weight,
+             "norm.bias": gpt.norm.bias, "head": gpt.head.weight}
+    for i, block in enumerate(gpt.blocks):
+        for part in ("weight", "bias"):
+            state[f"blocks.{i}.qkv.{part}"] = torch.cat([getattr(getattr(block, n), part)
+                                                         for n in "qkv"])
+            for name in ("ln1", "ln2", "o", "up", "down"):
+                state[f"blocks.{i}.{name}.{part}"] = getattr(getattr(block, name), part)
+    return {name: t.detach() for name, t in state.items()}
+
+
+class Stage(nn.Sequential):
+    """This rank's part of the model: [Embedding] (stage 0), its L / pp ParallelBlocks, [Head]
+    (last stage). `placements` lists (parameter, Placement) in parameter order."""
+
+    def __init__(self, gpt: GPT, layout: Layout, coords: dict[str, int],
+                 tp: tensor_parallel.TensorParallelGroup, cp_group: dist.ProcessGroup):
+        seq = gpt.pos.weight.shape[0]
+        if len(gpt.blocks) % layout.pp:
+            raise ValueError(f"{len(gpt.blocks)} layers do not split over pp = {layout.pp}")
+        first = coords["pp"] * len(gpt.blocks) // layout.pp
+        indices = range(first, first + len(gpt.blocks) // layout.pp)
+        modules: list[tuple[str, nn.Module]] = []  # (global name prefix, module)
+        if coords["pp"] == 0:
+            modules.append(("", Embedding(gpt, local_positions(seq, layout, coords["cp"], coords["tp"]))))
+        modules += [(f"blocks.{i}.", ParallelBlock(gpt.blocks[i], tp, cp_group, seq)) for i in indices]
+        if coords["pp"] == layout.pp - 1:
+            modules.append(("", Head(gpt)))
+        super().__init__(*(module for _, module in modules))
+        full = global_state(gpt)
+        self.placements: list[tuple[nn.Parameter, Placement]] = []
+        for prefix, module in modules:
+            for local, param in module.named_parameters():
+                suffix, dim, parts = BLOCK_PLACEMENTS.get(local, (local, None, 1)) if prefix else (local, None, 1)
+                name = prefix + suffix
+                self.placements.append((param, Placement(name, tuple(full[name].shape), dim, parts)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).contiguous()  # what a stage sends must be contiguous
+
+
+# ============================================================================ 4. the step
+
+
+def rank_batch(windows: torch.Tensor, layout: Layout, coords: dict[str, int], microbatches: int,
+               positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches of the global batch `windows` (B, seq + 1): its dp replica's
+    rows, cut into `microbatches`, at its `positions`: [(tokens (b, n), targets (b, n))]."""
+    rows = windows.chunk(layout.dp)[coords["dp"]]
+    if rows.shape[0] % microbatches:
+        raise ValueError(f"{rows.shape[0]} sequences per dp replica do not split into "
+                         f"{microbatches} micro-batches")
+    return [(mb[:, :-1][:, positions], mb[:, 1:][:, positions]) for mb in rows.chunk(microbatches)]
+
+
+class ZeroOverGroup(zero.ZeroStage1):
+    """Lesson 03's ZeRO-1 over the dp ranks of a mesh: the same shards (shard_bounds of each
+    flattened parameter), the same step, with torch.distributed's reduce-scatter and
+    all-gather on the dp group (lesson 01's rings run on the default group only). Uneven
+    shards are padded to the largest for the collective. No broadcast: every rank already
+    holds the same initial weights."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup,
+                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.traffic = collectives.Traffic()  # torch's collectives: not counted
+        self.named = named
+        self.bounds = [zero.shard_bounds(p.numel(), self.world, self.rank) for _, p in named]
+        self.shards = [self.make_shard(p, start, end) for (_, p), (start, end)
+                       in zip(named, self.bounds)]
+        self.optimizer = make_optimizer(self.shards)
+
+    def padded(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        bounds = collectives.chunk_bounds(flat.numel(), self.world)
+        width = max(end - start for start, end in bounds)
+        rows = flat.new_zeros(self.world, width)
+        for row, (start, end) in zip(rows, bounds):
+            row[:end - start] = flat[start:end]
+        return rows, bounds
+
+    def reduce_scatter_gradients(self) -> None:
+        for (_, param), shard in zip(self.named, self.shards):
+            rows, _ = self.padded(param.grad.reshape(-1))
+            mine = rows.new_empty(rows.shape[1])
+            dist.reduce_scatter_single(mine, rows.reshape(-1), group=self.group)
+            shard.grad = mine[:shard.numel()] / self.world
+            param.grad = None
+
+    def all_gather_parameters(self) -> None:
+        for (_, param), shard in zip(self.named, self.shards):
+            rows, bounds = self.padded(torch.zeros(param.numel(), dtype=param.dtype,
+                                                   device=param.device))
+            mine = rows.new_zeros(rows.shape[1])
+            mine[:shard.numel()] = shard.detach()
+            dist.all_gather_single(rows.view(-1), mine, group=self.group)
+            with torch.no_grad():
+                param.copy_(torch.cat([row[:end - start] for row, (start, end)
+                                       in zip(rows, bounds)]).view_as(param))
+
+
+class NDTrainer:
+    """One rank's training on the mesh: `train_step(windows)` takes the step's global batch
+    (B, seq + 1), the same on every rank, and returns (loss, gradient norm) of the whole
+    batch on every rank. Lesson 06's Checkpointer uses shard_state() / load_shards(), `step`,
+    `rank`, `world` and `config.fingerprint()`."""
+
+    def __init__(self, config: GPTConfig, layout: Layout, mesh, device: torch.device,
+                 dtype: torch.dtype = torch.float32):
+        self.config, self.layout, self.device = config, layout, device
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.coords = layout.coordinates(self.rank)
+        self.groups = {dim: mesh.get_group(dim) for dim in DIMS}
+        tp = tensor_parallel.TensorParallelGroup.join(self.groups["tp"])
+        self.stage = Stage(build_gpt(config, dtype), layout, self.coords, tp,
+                           self.groups["cp"]).to(device)
+        self.positions = local_positions(config.seq, layout, self.coords["cp"], self.coords["tp"])
+        named = [(p.name, param) for param, p in self.stage.placements]
+        self.zero = ZeroOverGroup(named, self.groups["dp"], lambda shards: adamw(
+            [(shard, len(p.shape)) for shard, (_, p) in zip(shards, self.stage.placements)], config))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.zero.optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
+        self.order = pipeline.one_f_one_b_order(layout.pp, config.microbatches)[self.coords["pp"]]
+        self.first, self.last = self.coords["pp"] == 0, self.coords["pp"] == layout.pp - 1
+        self.step = 0
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's share of its dp replica's micro-batch loss: the sum of cross-entropy
+        over its n positions / (b seq), so the shares summed over tp and cp are the mean."""
+        b = targets.shape[0]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.t().reshape(-1),
+                               reduction="sum") / (b * self.config.seq)
+
+    def reduce_gradients(self) -> None:
+        """Sum the partial gradients: tp for replicated parameters (each tp rank saw 1/tp of
+        the positions), then cp for all (each cp rank saw 1/cp of the sequence). One
+        all-reduce of everything flattened per dimension."""
+        replicated = [p for p, placement in self.stage.placements if placement.dim is None]
+        for params, dim in ((replicated, "tp"), ([p for p, _ in self.stage.placements], "cp")):
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat, group=self.groups[dim])
+            for param, summed in zip(params, flat.split([p.numel() for p in params])):
+                param.grad.copy_(summed.view_as(param))
+
+    def clip(self) -> torch.Tensor:
+        """Global-norm clipping on ZeRO's shards: ||g||^2 counts every element of the model's
+        gradient once: each dp rank its shard, each tp rank its piece (replicated tensors on
+        tp rank 0 only), each stage its layers, cp rank 0 only (cp ranks hold the same sums).
+        One all-reduce of one number over the world."""
+        squares = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.coords["cp"] == 0:
+            for shard, (_, placement) in zip(self.zero.shards, self.stage.placements):
+                if placement.dim is not None or self.coords["tp"] == 0:
+                    squares += shard.grad.double().pow(2).sum()
+        dist.all_reduce(squares)
+        norm = squares.sqrt()[0]
+        scale = (self.config.clip / (norm + 1e-6)).clamp(max=1.0)
+        for shard in self.zero.shards:
+            shard.grad.mul_(scale.to(shard.grad.dtype))
+        return norm
+
+    def logged_loss(self, losses: list[float]) -> float:
+        """The whole batch's mean loss on every rank: the last stage's shares summed over tp
+        and cp, averaged over dp, then broadcast from the last stage over pp."""
+        value = torch.tensor([sum(losses) / self.config.microbatches if self.last else 0.0],
+                             dtype=torch.float64, device=self.device)
+        for dim in ("tp", "cp", "dp"):
+            dist.all_reduce(value, group=self.groups[dim])
+        value /= self.layout.dp
+        dist.broadcast(value, dist.get_global_rank(self.groups["pp"], self.layout.pp - 1),
+                       group=self.groups["pp"])
+        return value.item()
+
+    def train_step(self, windows: torch.Tensor) -> tuple[float, float]:
+        micro = [(x.to(self.device), y.to(self.device)) for x, y in
+                 rank_batch(windows, self.layout, self.coords, self.config.microbatches,
+                            self.positions)]
+        b, n, h = micro[0][0].shape[0], self.positions.numel(), self.config.hidden
+        result = pipeline.pipeline_step(
+            self.stage, self.order, [x for x, _ in micro] if self.first else None,
+            [y for _, y in micro] if self.last else None, self.loss_fn, (n, b, h),
+            group=self.groups["pp"])
+        self.reduce_gradients()  # tp (sequence parallel) and cp partial sums
+        self.zero.reduce_scatter_gradients()  # dp: my shard of the mean
+        norm = self.clip()
+        self.zero.step_shards()  # AdamW on my shard
+        self.zero.all_gather_parameters()
+        self.scheduler.step()
+        self.zero.zero_grad()
+        self.step += 1
+        return self.logged_loss(result["losses"]), norm.item()
+
+    # ------------------------------------------------------------- 5. checkpoints
+    def shard_state(self) -> dict:
+        """This rank's part of a checkpoint: for every tensor it is the first holder of (cp
+        rank 0; replicated ones on tp rank 0), its ZeRO shard of the parameter and of AdamW's
+        moments, with where the shard sits: {"tensors": {name: {"placement": [shape, dim,
+        parts], "tp": [tp rank, tp size], "flat": [start, end], "params", "exp_avg",
+        "exp_avg_sq": 1-D CPU tensors}}, "step", "adam_step", "scheduler", "lr", "layout",
+        "world_size", "fingerprint"}."""
+        tensors = {}
+        for shard, (start, end), (_, placement) in zip(self.zero.shards, self.zero.bounds,
+                                                       self.stage.placements):
+            if self.coords["cp"] or (placement.dim is None and self.coords["tp"]):
+                continue
+            state = self.zero.optimizer.state.get(shard, {})
+            tensors[placement.name] = {
+                "placement": [list(placement.shape), placement.dim, placement.parts],
+                "tp": [self.coords["tp"], self.layout.tp], "flat": [start, end],
+                **{key: t.detach().cpu().clone() for key, t in
+                   (("params", shard), ("exp_avg", state.get("exp_avg")),
+                    ("exp_avg_sq", state.get("exp_avg_sq"))) if t is not None}}
+        adam_step = next((s["step"].item() for s in self.zero.optimizer.state.values()), 0)
+        return {"step": self.step, "rank": self.rank, "world_size": self.world,
+                "layout": dataclasses.asdict(self.layout), "fingerprint": self.config.fingerprint(),
+                "tensors": tensors, "adam_step": adam_step,
+                "scheduler": self.scheduler.state_dict(),
+                "lr": [group["lr"] for group in self.zero.optimizer.param_groups]}
+
+    def load_shards(self, shards: list[dict]) -> None:
+        """Continue from any layout's shards: each global tensor is joined from the saved
+        pieces (`assemble`), then this rank cuts its own piece and ZeRO shard from it."""
+        full = assemble(shards)
+        for shard, (start, end), (param, placement) in zip(self.zero.shards, self.zero.bounds,
+                                                            self.stage.placements):
+            pieces = {key: cut(full[key][placement.name], placement, self.coords["tp"],
+                               self.layout.tp).to(param.device)
+                      for key in ("params", "exp_avg", "exp_avg_sq") if placement.name in full[key]}
+            with torch.no_grad():
+                param.copy_(pieces.pop("params"))
+            if pieces:
+                self.zero.optimizer.state[shard] = {
+                    "step": torch.tensor(float(shards[0]["adam_step"]), dtype=torch.float32),
+                    **{key: t.reshape(-1)[start:end].clone() for key, t in pieces.items()}}
+        self.step = shards[0]["step"]
+        self.scheduler.load_state_dict(shards[0]["scheduler"])
+        for group, lr in zip(self.zero.optimizer.param_groups, shards[0]["lr"]):
+            group["lr"] = lr
+
+
+def assemble(shards: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
+    """Every saved rank's shard_state() -> {"params" | "exp_avg" | "exp_avg_sq": {name: the
+    global tensor}}: per tp rank, the ZeRO slices in order must tile its piece exactly, then
+    `join` puts the tp pieces together. A missing or overlapping slice: CheckpointError
+    naming the tensor and the tp rank."""
+    found: dict[str, dict[int, list]] = {}
+    meta: dict[str, tuple] = {}
+    for shard in shards:
+        for name, entry in shard["tensors"].items():
+            meta[name] = entry["placement"], entry["tp"][1]
+            found.setdefault(name, {}).setdefault(entry["tp"][0], []).append(entry)
+    out: dict[str, dict[str, torch.Tensor]] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    for name, by_tp in found.items():
+        (shape, dim, parts), tp = meta[name]
+        placement = Placement(name, tuple(shape), dim, parts)
+        local_numel = math.prod(shape) // (tp if dim is not None else 1)
+        local_shape = [s // tp if d == dim else s for d, s in enumerate(shape)]
+        for key in out:
+            pieces = []
+            for tp_rank in range(tp if dim is not None else 1):
+                entries = sorted(by_tp.get(tp_rank, []), key=lambda e: e["flat"][0])
+                covered = 0
+                for entry in entries:
+                    if entry["flat"][0] != covered:
+                        raise checkpointing.CheckpointError(
+                            f"{name}: tp rank {tp_rank}'s elements from {covered} are missing "
+                            f"or overlap (a slice starts at {entry['flat'][0]})")
+                    covered = entry["flat"][1]
+                if covered != local_numel:
+                    raise checkpointing.CheckpointError(
+                        f"{name}: tp rank {tp_rank}'s slices cover {covered} of {local_numel} elements")
+                if key != "params" and any(key not in e for e in entries):
+                    break
+                pieces.append(torch.cat([e[key] for e in entries]).view(local_shape))
+            else:
+                out[key][name] = join(pieces, placement)
+    return out
