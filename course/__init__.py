@@ -92,8 +92,8 @@ def catalog_problems(catalog: dict) -> list[str]:
 
 
 def exercise_problems(lesson: dict, where: str) -> list[str]:
-    """The catalog's exercises of a lesson must be the ones marked in its main.py (id, title,
-    points, in order)."""
+    """The catalog's exercises of a lesson must be the ones marked in its technique files
+    (main.py first; id, title, points, in order)."""
     from lessons._exercises import ExerciseError, lesson_exercises
 
     try:
@@ -103,13 +103,13 @@ def exercise_problems(lesson: dict, where: str) -> list[str]:
         return [f"{where}.exercises: {exc}"]
     listed = lesson.get("exercises", [])
     if listed != marked:
-        return [f"{where}.exercises: {[e['id'] for e in listed]} but main.py marks "
+        return [f"{where}.exercises: {[e['id'] for e in listed]} but the technique files mark "
                 f"{[e['id'] for e in marked]} (ids, titles and points must match)"]
     return []
 
 
 def sync_exercises(catalog: dict) -> dict:
-    """The catalog with each lesson's exercises taken from its main.py markers."""
+    """The catalog with each lesson's exercises taken from its technique files' markers."""
     from lessons._exercises import lesson_exercises
 
     for lesson in catalog["lessons"]:

@@ -1,6 +1,7 @@
 """Learner mode: the pieces of a lesson a learner writes, found by comment markers.
 
-A lesson's technique file (`main.py`) marks each exercise with comments directly above the
+A lesson's technique files (`main.py`, and any other module of the lesson folder that marks
+exercises, such as the capstone's `nd.py`) mark each exercise with comments directly above the
 function or method a learner writes; the reference code below the marker is untouched:
 
     # exercise ring-reduce-scatter (3 points): Ring reduce-scatter
@@ -14,6 +15,7 @@ An exercise may span several functions: later ones carry `# exercise ring-reduce
 (continued)`. `stub_source` replaces the body of every marked definition (everything after
 its docstring) with `raise NotImplementedError(...)` naming the exercise; `write_workspace`
 copies the lesson (and the earlier lessons and shared modules it imports) with those stubs.
+Exercise ids are unique across a lesson's files.
 
 Tests say which exercise they grade with the `exercise("id")` decorator of lessons/_testing.py
 (on a test method or a TestCase class); an untagged test belongs to the lesson's
@@ -52,6 +54,7 @@ class Exercise:
     hint: str
     targets: list[str]  # qualified names of the marked definitions, e.g. "BucketedDDP.no_sync"
     lines: list[int]  # first line (1-based) of each marked definition
+    file: str = "main.py"  # the technique file that marks it, relative to the lesson folder
 
 
 def _definitions(tree: ast.Module) -> dict[int, tuple[str, ast.AST]]:
@@ -98,7 +101,8 @@ def find_exercises(path: Path) -> list[Exercise]:
                 raise ExerciseError(f"{path}:{marker_line}: exercise {exercise_id!r} is declared "
                                     f"twice (use '(continued)' on later definitions)")
             exercises[exercise_id] = Exercise(exercise_id, match.group("title"),
-                                              int(match.group("points")), " ".join(hint), [], [])
+                                              int(match.group("points")), " ".join(hint), [], [],
+                                              path.name)
         elif exercise_id not in exercises:
             raise ExerciseError(f"{path}:{marker_line}: '(continued)' before exercise "
                                 f"{exercise_id!r} is declared")
@@ -151,9 +155,24 @@ def lesson_dir(key: str) -> Path:
     raise ExerciseError(f"unknown lesson {key!r}")
 
 
-def lesson_exercises(folder: Path) -> list[Exercise]:
+def technique_files(folder: Path) -> list[Path]:
+    """main.py first, then the folder's other modules in name order (those that mark nothing
+    simply add no exercise)."""
     main = folder / "main.py"
-    return find_exercises(main) if main.exists() else []
+    return ([main] if main.exists() else []) + sorted(
+        path for path in folder.glob("*.py") if path.name not in ("main.py", "__init__.py"))
+
+
+def lesson_exercises(folder: Path) -> list[Exercise]:
+    """Every exercise the lesson's technique files mark, main.py's first."""
+    exercises: list[Exercise] = []
+    for path in technique_files(folder):
+        for exercise in find_exercises(path):
+            if any(exercise.id == known.id for known in exercises):
+                raise ExerciseError(f"{path}: exercise {exercise.id!r} is also marked in "
+                                    f"{next(k.file for k in exercises if k.id == exercise.id)}")
+            exercises.append(exercise)
+    return exercises
 
 
 def _has_work(out: Path) -> bool:
@@ -188,8 +207,10 @@ def write_workspace(folder: Path, out: Path, only: set[str] | None = None,
             shutil.copytree(other, package / other.name,
                             ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "tests"))
     if stub:
-        main = package / folder.name / "main.py"
-        main.write_text(stub_source(main.read_text(), exercises, only))
+        for name in sorted({exercise.file for exercise in exercises}):
+            path = package / folder.name / name
+            path.write_text(stub_source(path.read_text(),
+                                        [e for e in exercises if e.file == name], only))
     (out / "EXERCISES.md").write_text(workspace_readme(folder, exercises, only))
     return exercises
 
@@ -198,14 +219,16 @@ def workspace_readme(folder: Path, exercises: list[Exercise], only: set[str] | N
     rows = "\n".join(f"| `{e.id}` | {e.title} | {e.points} | " + ", ".join(f"`{t}`" for t in e.targets)
                      + (" | to write |" if only is None or e.id in only else " | given |")
                      for e in exercises)
+    files = ", ".join(f"`lessons/{folder.name}/{name}`"
+                      for name in dict.fromkeys(e.file for e in exercises))
     return (f"# Workspace: lesson {folder.name}\n\n"
-            f"Write the stubbed pieces of `lessons/{folder.name}/main.py` (each raises\n"
+            f"Write the stubbed pieces of {files} (each raises\n"
             f"NotImplementedError naming its exercise; its docstring is the specification).\n\n"
             f"| exercise | title | points | what | status |\n|---|---|---|---|---|\n{rows}\n\n"
             f"Grade yourself from the course repository:\n\n"
             f"    python -m course grade {folder.name[:2]} --workspace {'{this folder}'}\n\n"
             f"or here, with plain unittest: `python -m unittest discover`. The reference is\n"
-            f"`lessons/{folder.name}/main.py` in the course repository.\n")
+            f"{files} in the course repository.\n")
 
 
 # ----------------------------------------------------------------------------- planted bugs
@@ -240,7 +263,8 @@ def planted_bugs(folder: Path) -> list[PlantedBug]:
         bug = PlantedBug(**{key: spec[key] for key in
                             ("id", "exercise", "file", "find", "replace", "mistake")})
         if bug.exercise not in known:
-            raise ExerciseError(f"{where}.exercise: {bug.exercise!r} is not marked in main.py")
+            raise ExerciseError(f"{where}.exercise: {bug.exercise!r} is not marked in the "
+                                f"lesson's technique files")
         count = (folder / bug.file).read_text().count(bug.find)
         if count != 1:
             raise ExerciseError(f"{where}.find: found {count} times in {bug.file} (must be once)")

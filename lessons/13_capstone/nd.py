@@ -92,6 +92,8 @@ class Layout:
                           if getattr(self, dim) > 1) or "one rank"
 
 
+# exercise mesh-groups (2 points): Which ranks share each dimension of the mesh
+# hint: fix every other coordinate, vary `dim`'s from 0 to its size - 1 (Layout.rank_of).
 def dimension_groups(layout: Layout, dim: str) -> list[list[int]]:
     """The groups of ranks that share every coordinate but `dim`'s: the ranks one collective
     over `dim` spans (e.g. tp on dp2 x tp2: [[0, 1], [2, 3]]; dp: [[0, 2], [1, 3]])."""
@@ -239,6 +241,8 @@ class Placement:
     parts: int = 1
 
 
+# exercise placements (3 points): A tp rank's piece of a global tensor, and back
+# hint: fused QKV is 3 parts: rank r holds piece r of EACH part, side by side.
 def cut(full: torch.Tensor, placement: Placement, rank: int, size: int) -> torch.Tensor:
     """The piece of the global tensor `full` that tp rank `rank` of `size` holds."""
     if placement.dim is None:
@@ -247,6 +251,7 @@ def cut(full: torch.Tensor, placement: Placement, rank: int, size: int) -> torch
                       for part in full.chunk(placement.parts, placement.dim)], placement.dim)
 
 
+# exercise placements (continued)
 def join(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
     """`cut`'s inverse: the global tensor from every tp rank's piece, in tp-rank order."""
     if placement.dim is None:
@@ -347,7 +352,8 @@ class Stage(nn.Sequential):
         indices = range(first, first + len(gpt.blocks) // layout.pp)
         modules: list[tuple[str, nn.Module]] = []  # (global name prefix, module)
         if coords["pp"] == 0:
-            modules.append(("", Embedding(gpt, local_positions(seq, layout, coords["cp"], coords["tp"]))))
+            positions = local_positions(seq, layout, coords["cp"], coords["tp"])
+            modules.append(("", Embedding(gpt, positions)))
         modules += [(f"blocks.{i}.", ParallelBlock(gpt.blocks[i], tp, cp_group, seq)) for i in indices]
         if coords["pp"] == layout.pp - 1:
             modules.append(("", Head(gpt)))
@@ -356,7 +362,7 @@ class Stage(nn.Sequential):
         self.placements: list[tuple[nn.Parameter, Placement]] = []
         for prefix, module in modules:
             for local, param in module.named_parameters():
-                suffix, dim, parts = BLOCK_PLACEMENTS.get(local, (local, None, 1)) if prefix else (local, None, 1)
+                suffix, dim, parts = BLOCK_PLACEMENTS[local] if prefix else (local, None, 1)
                 name = prefix + suffix
                 self.placements.append((param, Placement(name, tuple(full[name].shape), dim, parts)))
 
@@ -456,6 +462,10 @@ class NDTrainer:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.t().reshape(-1),
                                reduction="sum") / (b * self.config.seq)
 
+    # exercise compose-step (5 points): Where the gradients, the norm and the loss are partial
+    # hint: a gradient is partial over every dimension that split the work computing it and
+    #   replicated over the others; count each element of the norm once; the loss lives on
+    #   the last stage only.
     def reduce_gradients(self) -> None:
         """Sum the partial gradients: tp for replicated parameters (each tp rank saw 1/tp of
         the positions), then cp for all (each cp rank saw 1/cp of the sequence). One
@@ -467,6 +477,7 @@ class NDTrainer:
             for param, summed in zip(params, flat.split([p.numel() for p in params])):
                 param.grad.copy_(summed.view_as(param))
 
+    # exercise compose-step (continued)
     def clip(self) -> torch.Tensor:
         """Global-norm clipping on ZeRO's shards: ||g||^2 counts every element of the model's
         gradient once: each dp rank its shard, each tp rank its piece (replicated tensors on
@@ -484,6 +495,7 @@ class NDTrainer:
             shard.grad.mul_(scale.to(shard.grad.dtype))
         return norm
 
+    # exercise compose-step (continued)
     def logged_loss(self, losses: list[float]) -> float:
         """The whole batch's mean loss on every rank: the last stage's shares summed over tp
         and cp, averaged over dp, then broadcast from the last stage over pp."""
@@ -546,6 +558,13 @@ class NDTrainer:
         """Continue from any layout's shards: each global tensor is joined from the saved
         pieces (`assemble`), then this rank cuts its own piece and ZeRO shard from it."""
         full = assemble(shards)
+        for _, placement in self.stage.placements:
+            saved = full["params"].get(placement.name)
+            if saved is None or tuple(saved.shape) != placement.shape:
+                raise checkpointing.CheckpointError(
+                    f"{placement.name}: the checkpoint holds "
+                    f"{'no such tensor' if saved is None else tuple(saved.shape)}, this model "
+                    f"needs {placement.shape}: not a checkpoint of this model")
         for shard, (start, end), (param, placement) in zip(self.zero.shards, self.zero.bounds,
                                                             self.stage.placements):
             pieces = {key: cut(full[key][placement.name], placement, self.coords["tp"],
@@ -593,7 +612,8 @@ def assemble(shards: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
                     covered = entry["flat"][1]
                 if covered != local_numel:
                     raise checkpointing.CheckpointError(
-                        f"{name}: tp rank {tp_rank}'s slices cover {covered} of {local_numel} elements")
+                        f"{name}: tp rank {tp_rank}'s slices cover {covered} of {local_numel} "
+                        "elements")
                 if key != "params" and any(key not in e for e in entries):
                     break
                 pieces.append(torch.cat([e[key] for e in entries]).view(local_shape))

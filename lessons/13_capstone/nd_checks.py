@@ -1,0 +1,98 @@
+"""The proof of nd.py: every layout trains what one process trains.
+
+* `layout_worker`: one rank of a layout: the mesh's groups (for the test that holds them to
+  `nd.dimension_groups`), a run of `nd.NDTrainer` on given global batches, checkpoints through
+  lesson 06's protocol and a resume from them in this or another layout, and the final state
+  as checkpoint shards (joined by `nd.assemble` into the global tensors);
+* `random_batches`: the proof's data, the same global batches for every layout;
+* `compare_layouts`: run layouts and report each one's largest difference from
+  `nd.train_one_process` (the tests and the notebook call it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import io
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lessons._launch import RankContext, launch
+
+from . import nd
+
+capstone = importlib.import_module("lessons.13_capstone.main")  # resume()
+checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # Checkpointer
+
+
+def random_batches(config: nd.GPTConfig, steps: int, seed: int = 7) -> list[torch.Tensor]:
+    """`steps` global batches (global_batch, seq + 1) of random tokens, the same everywhere."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, config.vocab, (config.global_batch, config.seq + 1), generator=generator)
+            for _ in range(steps)]
+
+
+def layout_worker(ctx: RankContext, config: dict, layout: dict, batches: list[torch.Tensor],
+                  ckpt_dir: str | None = None, save_every: int = 0, resume: bool = False) -> dict:
+    """One rank: build the mesh and an NDTrainer (float64 on CPU), resume from `ckpt_dir`'s
+    latest checkpoint if asked (any layout's: lesson 06's verified load, then load_shards),
+    train until step len(batches) saving every `save_every` steps, and return plain data:
+    {"coords", "groups": {dim: ranks of this rank's group}, "history": [(loss, norm)] of the
+    steps it ran, "resumed_from", "state": shard_state() at the end, serialised}."""
+    config, layout = nd.GPTConfig(**config), nd.Layout(**layout)
+    mesh = nd.build_mesh(layout, ctx.device.type)
+    dtype = torch.float64 if ctx.device.type == "cpu" else torch.float32
+    trainer = nd.NDTrainer(config, layout, mesh, ctx.device, dtype)
+    resumed_from = capstone.resume(trainer, Path(ckpt_dir), reshard=True) if resume else None
+    checkpointer = (checkpointing.Checkpointer(Path(ckpt_dir), keep=4, save_every=save_every)
+                    if ckpt_dir and save_every else None)
+    history = []
+    while trainer.step < len(batches):
+        history.append(trainer.train_step(batches[trainer.step]))
+        if checkpointer is not None:
+            checkpointer.maybe_save(trainer)
+    return {"coords": trainer.coords, "resumed_from": resumed_from, "history": history,
+            "groups": {dim: dist.get_process_group_ranks(trainer.groups[dim]) for dim in nd.DIMS},
+            "state": checkpointing.serialize(trainer.shard_state())}
+
+
+def run_layout(config: nd.GPTConfig, layout: nd.Layout, batches: list[torch.Tensor],
+               device: str = "cpu", ckpt_dir: Path | None = None, save_every: int = 0,
+               resume: bool = False, timeout_s: float = 120.0) -> list[dict]:
+    """`layout_worker` on layout.world ranks; its results in rank order, states loaded."""
+    results = launch(layout_worker, layout.world,
+                     (dataclasses.asdict(config), dataclasses.asdict(layout), batches,
+                      None if ckpt_dir is None else str(ckpt_dir), save_every, resume),
+                     device=device, timeout_s=timeout_s)
+    for result in results:
+        result["state"] = torch.load(io.BytesIO(result["state"]), weights_only=True)
+    return results
+
+
+def largest_differences(results: list[dict], reference: list[tuple[float, float]],
+                        model: nd.GPT) -> dict[str, float]:
+    """Max |difference| from the one-process run over every rank and step: of the loss, of the
+    gradient norm, and of every final parameter (the shards joined into global tensors)."""
+    offset = len(reference) - len(results[0]["history"])
+    pairs = [(mine, reference[offset + i]) for r in results for i, mine in enumerate(r["history"])]
+    loss = max(abs(mine[0] - theirs[0]) for mine, theirs in pairs)
+    norm = max(abs(mine[1] - theirs[1]) for mine, theirs in pairs)
+    params = nd.assemble([r["state"] for r in results])["params"]
+    expected = nd.global_state(model)
+    if set(params) != set(expected):
+        raise AssertionError(f"the shards hold {sorted(set(params) ^ set(expected))[:3]} differently")
+    weights = max((params[name] - expected[name]).abs().max().item() for name in expected)
+    return {"loss": loss, "norm": norm, "params": weights}
+
+
+def compare_layouts(layouts: list[nd.Layout], config: nd.GPTConfig | None = None, steps: int = 4,
+                    device: str = "cpu") -> list[dict]:
+    """Each layout against one process: [{"layout", "loss", "norm", "params"}] (max |diff|)."""
+    config = config or nd.GPTConfig(steps=steps)
+    batches = random_batches(config, steps)
+    reference, model = nd.train_one_process(config, batches)
+    return [{"layout": str(layout), **largest_differences(run_layout(config, layout, batches, device),
+                                                            reference, model)}
+            for layout in layouts]

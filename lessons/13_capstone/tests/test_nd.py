@@ -1,0 +1,184 @@
+"""Lesson 13 in N dimensions (nd.py): the mesh's groups against a pure enumeration of the grid;
+every layout (dp2, tp2, pp2, cp2, dp2 x tp2, tp2 x pp2, dp2 x pp2 x cp2) trains the losses,
+gradient norms and final weights of one process (float64: to rounding); a run saved in one
+layout resumes in another on the same trajectory, in the same layout bit for bit; the verified
+load refuses what it cannot reshard. Every run passes device="cpu".
+
+Tolerances: float64 runs of the same arithmetic in another summation order (sums split over
+ranks, attention merged block by block) differ by a few ulps per operation: 1e-12 on losses
+near 3.5 and norms near 1-3 is about 1000 ulps after 4 steps. AdamW divides each gradient by
+its own running RMS, which amplifies the rounding of the small ones: the weights differ by up
+to about 1e-12 (measured 1.1e-12 after 4 steps), so they get 1e-9, a millionth of the
+learning rate 3e-3 that bounds one step's update; a planted composition bug moves the losses,
+norms or weights by 1e-4 or more."""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import tempfile
+import unittest
+from pathlib import Path
+
+import torch
+
+from lessons._testing import exercise
+
+nd = importlib.import_module("lessons.13_capstone.nd")  # the technique
+nd_checks = importlib.import_module("lessons.13_capstone.nd_checks")  # the harness
+tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")
+checkpointing = importlib.import_module("lessons.06_checkpointing.main")
+
+TOLERANCE = {"loss": 1e-12, "norm": 1e-12, "params": 1e-9}
+CONFIG = nd.GPTConfig(steps=4)
+LAYOUTS = {"dp2": nd.Layout(dp=2), "tp2": nd.Layout(tp=2), "pp2": nd.Layout(pp=2),
+           "cp2": nd.Layout(cp=2), "dp2xtp2": nd.Layout(dp=2, tp=2), "tp2xpp2": nd.Layout(tp=2, pp=2),
+           "dp2xpp2xcp2": nd.Layout(dp=2, pp=2, cp=2)}
+SAVED = ("dp2xtp2", "pp2")  # these runs save at steps 2 and 4, for the resume tests
+
+
+class Runs:
+    """Every layout's run, once per test process (shared by the classes below)."""
+
+    results: dict[str, list[dict]] = {}
+    scratch: Path | None = None
+
+    @classmethod
+    def get(cls) -> dict[str, list[dict]]:
+        if not cls.results:
+            cls.scratch = Path(tempfile.mkdtemp(prefix="capstone-nd-"))
+            cls.batches = nd_checks.random_batches(CONFIG, CONFIG.steps)
+            cls.reference, cls.model = nd.train_one_process(CONFIG, cls.batches)
+            for name, layout in LAYOUTS.items():
+                ckpt = cls.scratch / name if name in SAVED else None
+                cls.results[name] = nd_checks.run_layout(CONFIG, layout, cls.batches, "cpu",
+                                                         ckpt_dir=ckpt, save_every=2 if ckpt else 0)
+        return cls.results
+
+    @classmethod
+    def resume(cls, saved: str, layout: nd.Layout, from_step: int) -> list[dict]:
+        """A copy of `saved`'s checkpoints with `latest` at `from_step`, resumed in `layout`."""
+        copy = Path(tempfile.mkdtemp(prefix="resume-", dir=cls.scratch))
+        shutil.copytree(cls.scratch / saved, copy, dirs_exist_ok=True)
+        checkpointing.atomic_write_bytes(copy / checkpointing.LATEST,
+                                         (checkpointing.step_dir_name(from_step) + "\n").encode())
+        return nd_checks.run_layout(CONFIG, layout, cls.batches, "cpu", ckpt_dir=copy, resume=True)
+
+
+def tearDownModule():
+    if Runs.scratch is not None:
+        shutil.rmtree(Runs.scratch, ignore_errors=True)
+
+
+@exercise("mesh-groups")
+class TestMeshGroups(unittest.TestCase):
+    def test_a_small_grid_by_hand(self):
+        layout = nd.Layout(dp=2, tp=2)  # ranks (dp, tp): 0 (0,0), 1 (0,1), 2 (1,0), 3 (1,1)
+        self.assertEqual(nd.dimension_groups(layout, "tp"), [[0, 1], [2, 3]])
+        self.assertEqual(nd.dimension_groups(layout, "dp"), [[0, 2], [1, 3]])
+        self.assertEqual(nd.dimension_groups(layout, "pp"), [[0], [1], [2], [3]])
+
+    def test_every_dimension_partitions_the_ranks_and_varies_only_itself(self):
+        layout = nd.Layout(dp=2, tp=2, pp=2, cp=3)
+        for dim in nd.DIMS:
+            groups = nd.dimension_groups(layout, dim)
+            self.assertEqual(sorted(r for g in groups for r in g), list(range(layout.world)), dim)
+            for group in groups:
+                coords = [layout.coordinates(r) for r in group]
+                self.assertEqual([c[dim] for c in coords], list(range(getattr(layout, dim))), dim)
+                for other in set(nd.DIMS) - {dim}:
+                    self.assertEqual(len({c[other] for c in coords}), 1, (dim, other))
+
+    def test_init_device_mesh_builds_the_enumerated_groups(self):
+        for name, results in Runs.get().items():
+            layout = LAYOUTS[name]
+            for rank, result in enumerate(results):
+                self.assertEqual(result["coords"], layout.coordinates(rank))
+                for dim in nd.DIMS:
+                    mine = [g for g in nd.dimension_groups(layout, dim) if rank in g]
+                    self.assertEqual(result["groups"][dim], mine[0], (name, rank, dim))
+
+
+@exercise("compose-step")
+class TestEveryLayoutIsOneProcess(unittest.TestCase):
+    def test_losses_norms_and_weights_equal_one_process(self):
+        for name, results in Runs.get().items():
+            with self.subTest(layout=name):
+                differences = nd_checks.largest_differences(results, Runs.reference, Runs.model)
+                for what, difference in differences.items():
+                    self.assertLess(difference, TOLERANCE[what],
+                                    f"{name}: {what} differs by {difference:.3g}")
+
+    def test_clipping_acts_in_these_runs(self):  # else a bug in the clipping could not show
+        self.assertGreater(max(norm for _, norm in Runs.reference), CONFIG.clip)
+
+
+@exercise("placements")
+class TestPlacements(unittest.TestCase):
+    def test_cut_gives_lesson_04s_shards(self):
+        torch.manual_seed(0)
+        block = nd.Block(16, 4).double()
+        qkv = torch.cat([block.q.weight, block.k.weight, block.v.weight]).detach()
+        for rank in range(2):
+            tp = tensor_parallel.TensorParallelGroup(rank, 2)
+            split = tensor_parallel.ColumnParallelLinear([block.q, block.k, block.v], tp)
+            row = tensor_parallel.RowParallelLinear(block.o, tp)
+            self.assertTrue(torch.equal(nd.cut(qkv, nd.Placement("qkv", (48, 16), 0, 3), rank, 2),
+                                        split.weight.detach()))
+            self.assertTrue(torch.equal(nd.cut(block.o.weight.detach(), nd.Placement("o", (16, 16), 1),
+                                               rank, 2), row.weight.detach()))
+
+    def test_join_inverts_cut(self):
+        full = torch.arange(24.0).view(6, 4)
+        for placement in (nd.Placement("a", (6, 4), 0, 3), nd.Placement("b", (6, 4), 1, 1),
+                          nd.Placement("c", (6, 4), None)):
+            for size in (1, 2):
+                pieces = [nd.cut(full, placement, r, size) for r in range(size)]
+                self.assertTrue(torch.equal(nd.join(pieces, placement), full), (placement, size))
+
+    def test_the_shards_join_into_the_global_tensors_each_element_once(self):
+        results = Runs.get()["dp2xtp2"]
+        counted = sum(t["params"].numel() for r in results for t in r["state"]["tensors"].values())
+        self.assertEqual(counted, sum(t.numel() for t in nd.global_state(Runs.model).values()))
+
+
+class TestResumeInAnotherLayout(unittest.TestCase):
+    def assert_continues_the_run(self, results: list[dict], exact: bool) -> None:
+        self.assertEqual(results[0]["resumed_from"], 2)
+        differences = nd_checks.largest_differences(results, Runs.reference, Runs.model)
+        for what, difference in differences.items():
+            self.assertLess(difference, TOLERANCE[what], what)
+        if exact:
+            saved = Runs.get()["dp2xtp2"]
+            self.assertEqual([r["history"] for r in results], [r["history"][2:] for r in saved])
+            for mine, theirs in zip(results, saved):
+                for name, entry in mine["state"]["tensors"].items():
+                    self.assertTrue(torch.equal(entry["params"], theirs["state"]["tensors"][name]["params"]))
+
+    def test_dp2_x_tp2_resumes_as_tp4(self):
+        Runs.get()
+        self.assert_continues_the_run(Runs.resume("dp2xtp2", nd.Layout(tp=4), 2), exact=False)
+
+    def test_pp2_resumes_as_dp2(self):
+        Runs.get()
+        self.assert_continues_the_run(Runs.resume("pp2", nd.Layout(dp=2), 2), exact=False)
+
+    def test_the_same_layout_resumes_bit_for_bit(self):
+        Runs.get()
+        self.assert_continues_the_run(Runs.resume("dp2xtp2", nd.Layout(dp=2, tp=2), 2), exact=True)
+
+    def test_a_missing_slice_is_named(self):
+        states = [dict(r["state"], tensors=dict(r["state"]["tensors"])) for r in Runs.get()["dp2xtp2"]]
+        del states[3]["tensors"]["blocks.0.qkv.weight"]  # tp rank 1's second dp slice
+        with self.assertRaisesRegex(checkpointing.CheckpointError, r"blocks\.0\.qkv\.weight: tp rank 1"):
+            nd.assemble(states)
+
+    def test_another_model_is_refused_before_any_tensor_is_used(self):
+        other = nd.GPTConfig(hidden=48, heads=4)
+        with self.assertRaisesRegex(Exception, "fingerprint"):
+            nd_checks.run_layout(other, nd.Layout(dp=2), Runs.batches[:3], "cpu",
+                                 ckpt_dir=Runs.scratch / "pp2", resume=True)
+
+
+if __name__ == "__main__":
+    unittest.main()
