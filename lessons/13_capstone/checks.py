@@ -30,6 +30,7 @@ from lessons._launch import RankContext, inject_fault, is_reporting_rank, launch
 from lessons._report import Check, Report, check_args, finish, float_in, int_in, lesson_parser
 
 from . import main as capstone
+from . import nd, nd_checks
 
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # lesson 06's technique
 
@@ -82,18 +83,21 @@ class ProgressBar:
             self.bar.update(self.task, advance=1, loss=f"{loss:.3f}")
 
 
-def train_worker(ctx: RankContext, config: dict, ckpt_dir: str, save_every: int, keep: int,
-                 resume: bool, reshard: bool, kill_at: int | None, sample_chars: int,
+def train_worker(ctx: RankContext, config: dict, layout: dict | None, ckpt_dir: str, save_every: int,
+                 keep: int, resume: bool, reshard: bool, kill_at: int | None, sample_chars: int,
                  fault: str | None, fault_rank: int) -> dict:
-    """One rank: load and split the corpus (90% train), build a GPTTrainer, resume if asked,
-    train with checkpoints, and return plain data (rank 0 adds the curves and a sample)."""
+    """One rank: load and split the corpus (90% train), build a GPTTrainer (data parallel) or,
+    given a `layout`, nd_checks.CorpusNDTrainer (DP x TP x PP x CP), resume if asked, train with
+    checkpoints, and return plain data (rank 0 adds the curves and a sample)."""
     inject_fault(ctx, fault, fault_rank)
     config = capstone.GPTRunConfig(**config)
     text = capstone.load_text()
     tokenizer = capstone.CharTokenizer(text)
     data = tokenizer.encode(text)
     split = int(0.9 * data.numel())
-    trainer = capstone.GPTTrainer(config, ctx.rank, ctx.world_size, ctx.device, len(tokenizer.chars))
+    vocab = len(tokenizer.chars)
+    trainer = (capstone.GPTTrainer(config, ctx.rank, ctx.world_size, ctx.device, vocab) if layout is None
+               else nd_checks.CorpusNDTrainer(config, nd.Layout(**layout), ctx.device, vocab))
     resumed_from = capstone.resume(trainer, Path(ckpt_dir), reshard) if resume else None
     checkpointer = checkpointing.Checkpointer(Path(ckpt_dir), keep=keep, save_every=save_every)
     bar = ProgressBar(ctx.rank == 0 and sys.stdout.isatty(), config.steps, trainer.step)
@@ -105,16 +109,23 @@ def train_worker(ctx: RankContext, config: dict, ckpt_dir: str, save_every: int,
 
     with bar:
         run = capstone.train(trainer, data[:split], data[split:], checkpointer, after_step)
-    result = {"rank": ctx.rank, "param_sha256": tensor_digest(dict(trainer.named)),
-              "resumed_from": resumed_from}
+    if layout is None:
+        model, n_matmul = trainer.model, capstone.matmul_params(trainer.model)
+        replica = {"key": "all", "sha256": tensor_digest(dict(trainer.named))}
+    else:  # the ranks that differ only in dp or cp hold the same stage weights
+        model = trainer.dense_model()
+        n_matmul = count_params(model) - model.pos.weight.numel() - model.embed.weight.numel()
+        replica = {"key": f"pp{trainer.coords['pp']} tp{trainer.coords['tp']}",
+                   "sha256": tensor_digest(dict(trainer.stage.named_parameters()))}
+    result = {"rank": ctx.rank, "param_sha256": tensor_digest(dict(model.named_parameters())),
+              "replica": replica, "resumed_from": resumed_from}
     if ctx.rank == 0:
-        per_token = capstone.flops_per_token(capstone.matmul_params(trainer.model), config.layers,
-                                             config.hidden, config.seq)
+        per_token = capstone.flops_per_token(n_matmul, config.layers, config.hidden, config.seq)
         on_gpu = ctx.device.type == "cuda"
-        result.update(run, params=count_params(trainer.model), vocab=len(tokenizer.chars),
+        result.update(run, params=count_params(model), vocab=vocab,
                       flops_per_token=per_token,
                       device_name=torch.cuda.get_device_name(ctx.device) if on_gpu else "cpu",
-                      sample=sample(trainer.model, tokenizer, "MARCIUS:\n", sample_chars, config.seq,
+                      sample=sample(model, tokenizer, "MARCIUS:\n", sample_chars, config.seq,
                                     config.seed) if sample_chars else "")
     return result
 
@@ -176,8 +187,13 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--weight-decay", type=float_in(0.0, 1.0), default=defaults.weight_decay,
                         help="AdamW's decoupled decay of the 2-D tensors")
     parser.add_argument("--dropout", type=float_in(0.0, 0.9), default=defaults.dropout)
-    parser.add_argument("--dp", choices=("ours", "torch"), default=defaults.dp,
-                        help="lesson 02's BucketedDDP or torch DistributedDataParallel")
+    parser.add_argument("--ddp", choices=("ours", "torch"), default=defaults.ddp,
+                        help="the data-parallel run's engine: lesson 02's BucketedDDP or torch's "
+                             "DistributedDataParallel")
+    for dim, what in (("dp", "data parallel (ZeRO-1)"), ("tp", "tensor + sequence parallel"),
+                      ("pp", "pipeline stages (1F1B)"), ("cp", "context parallel (ring attention)")):
+        parser.add_argument(f"--{dim}", type=int_in(1, 64), default=None,
+                            help=f"N-D run (nd.py): {what} degree; dp x tp x pp x cp ranks in all")
     parser.add_argument("--out", type=Path, default=None,
                         help="checkpoints, loss.png and metrics go here (default: a new temporary "
                              "directory, printed)")
@@ -196,7 +212,10 @@ def parse_args(argv: list[str] | None = None):
     check_args(parser, args)
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+    args.layout = layout_from(parser, args)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    if args.layout is not None:  # the batch splits over the data-parallel replicas only
+        world = args.layout.dp
     try:
         capstone.micro_batch_size(args.global_batch, world, args.accum)
     except ValueError as exc:
@@ -211,18 +230,40 @@ def parse_args(argv: list[str] | None = None):
     return args
 
 
+def layout_from(parser, args) -> nd.Layout | None:
+    """The N-D layout the flags ask for (None: the data-parallel run), checked against the
+    model and the world size with one line each; sets args.world_size to its ranks."""
+    if all(getattr(args, dim) is None for dim in ("dp", "tp", "pp", "cp")):
+        return None
+    layout = nd.Layout(**{dim: getattr(args, dim) or 1 for dim in ("dp", "tp", "pp", "cp")})
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != layout.world:
+        parser.error(f"layout {layout} needs {layout.world} ranks; torchrun started "
+                     f"{os.environ['WORLD_SIZE']}")
+    if args.heads % layout.tp:
+        parser.error(f"--heads {args.heads} is not divisible by --tp {layout.tp}")
+    if args.layers % layout.pp:
+        parser.error(f"--layers {args.layers} is not divisible by --pp {layout.pp}")
+    if args.seq % (2 * layout.cp * layout.tp):
+        parser.error(f"--seq {args.seq} is not divisible by 2 x cp x tp = {2 * layout.cp * layout.tp}")
+    if args.ddp != "ours":
+        parser.error(f"--ddp {args.ddp} picks the data-parallel run's engine; the N-D run is nd.py's")
+    args.world_size, args.dropout = layout.world, 0.0  # the layout sets the ranks; nd.GPT has no dropout
+    return layout
+
+
 def config_from(args) -> capstone.GPTRunConfig:
     return capstone.GPTRunConfig(
         layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
         global_batch=args.global_batch, accum=args.accum, steps=args.steps, lr=args.lr,
         warmup=args.warmup, clip=args.clip, weight_decay=args.weight_decay, dropout=args.dropout,
-        seed=args.seed, dp=args.dp)
+        seed=args.seed, ddp=args.ddp)
 
 
 def run(args, config: capstone.GPTRunConfig, ckpt: Path, resume: bool, kill_at: int | None,
         sample_chars: int) -> list[dict]:
+    layout = None if args.layout is None else dataclasses.asdict(args.layout)
     return launch(train_worker, args.world_size,
-                  (dataclasses.asdict(config), str(ckpt), args.save_every, args.keep, resume,
+                  (dataclasses.asdict(config), layout, str(ckpt), args.save_every, args.keep, resume,
                    args.reshard, kill_at, sample_chars, args.fault, args.fault_rank),
                   device=args.device, timeout_s=max(args.timeout, 600.0))
 
@@ -268,9 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         checks = [Check("corpus verified (sha256 of the shipped text)", True,
                         f"{capstone.DATA.name}: {capstone.DATA.stat().st_size:,} bytes, "
                         f"{first['vocab']} characters")]
-        digests = {r["param_sha256"] for r in results}
-        checks.append(Check("every rank ends with the same weights", len(digests) == 1,
-                            f"{len(results)} rank(s): {sorted(digests)[0][:16]}..."))
+        replicas: dict[str, set] = {}
+        for r in results:
+            replicas.setdefault(r["replica"]["key"], set()).add(r["replica"]["sha256"])
+        checks.append(Check("every rank ends with the same weights" if args.layout is None else
+                            "the dp and cp replicas of each stage and tp piece end equal",
+                            all(len(d) == 1 for d in replicas.values()),
+                            f"{len(results)} rank(s) in {len(replicas)} group(s)"
+                            + (f", layout {args.layout}" if args.layout else "")))
         start_val, end_val = first["val_losses"][0][1], first["val_losses"][-1][1]
         checks.append(Check("held-out loss went down", end_val < start_val - 0.3,
                             f"{start_val:.3f} -> {end_val:.3f} nats/char (uniform: "
@@ -297,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             if first["losses"] else None, "final_val_loss": end_val, "val_losses": first["val_losses"],
             "resumed_from": first["resumed_from"], "resume_check": resume_check,
             "config": dataclasses.asdict(config), "out": str(out), "sample": first["sample"],
+            "layout": None if args.layout is None else dataclasses.asdict(args.layout),
             "headline": f"held-out {start_val:.3f} -> {end_val:.3f} nats/char; "
                         f"{first['tokens_per_s'] or 0:,.0f} tokens/s"}
         device = first["device_name"]

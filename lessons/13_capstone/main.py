@@ -89,7 +89,7 @@ class GPTRunConfig:
     weight_decay: float = 0.01
     dropout: float = 0.1
     seed: int = 0
-    dp: str = "ours"
+    ddp: str = "ours"
 
     def fingerprint(self) -> str:
         """Every field counts (even `steps`: the cosine schedule depends on it)."""
@@ -108,17 +108,29 @@ def micro_batch_size(global_batch: int, world: int, accum: int) -> int:
     return global_batch // (world * accum)
 
 
+def global_windows(data: torch.Tensor, seed: int, step: int, global_batch: int, seq: int) -> torch.Tensor:
+    """The step's global batch: `global_batch` random windows (global_batch, seq + 1) of the
+    corpus, from a generator seeded by (seed, step): the data cursor IS the step number."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    starts = torch.randint(0, data.numel() - seq - 1, (global_batch,), generator=generator)
+    return torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
+
+
+def held_out_windows(data: torch.Tensor, windows: int, seq: int) -> torch.Tensor:
+    """The evaluation's fixed windows (windows, seq + 1), the same at every evaluation."""
+    generator = torch.Generator().manual_seed(12345)
+    starts = torch.randint(0, data.numel() - seq - 1, (windows,), generator=generator)
+    return torch.stack([data[s:s + seq + 1] for s in starts.tolist()])
+
+
 def batch_for_step(data: torch.Tensor, config: GPTRunConfig, step: int, rank: int, world: int,
                    micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Micro-batch `micro` of rank `rank` at `step`: the step's global batch of random windows
-    (a generator seeded by (seed, step): the data cursor IS the step number) split over ranks,
-    then over micro-batches. Same global batch for any number of ranks."""
-    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
-    starts = torch.randint(0, data.numel() - config.seq - 1, (config.global_batch,), generator=generator)
+    """Micro-batch `micro` of rank `rank` at `step`: the step's `global_windows` split over
+    ranks, then over micro-batches. Same global batch for any number of ranks."""
+    windows = global_windows(data, config.seed, step, config.global_batch, config.seq)
     size, index = config.micro_batch(world), rank * config.accum + micro
-    mine = starts[index * size:(index + 1) * size]
-    windows = torch.stack([data[s:s + config.seq + 1] for s in mine.tolist()])
-    return windows[:, :-1], windows[:, 1:]
+    mine = windows[index * size:(index + 1) * size]
+    return mine[:, :-1], mine[:, 1:]
 
 
 # ============================================================================ 2. model and optimizer
@@ -195,9 +207,9 @@ class GPTTrainer:
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         self.model = memory.TinyGPT(vocab, config.hidden, config.heads, config.layers, config.seq,
                                     dropout=config.dropout).to(device)
-        if config.dp not in ("ours", "torch"):
-            raise ValueError(f"unknown data parallelism {config.dp!r}: 'ours' or 'torch'")
-        self.ddp = (data_parallel.BucketedDDP(self.model) if config.dp == "ours" else
+        if config.ddp not in ("ours", "torch"):
+            raise ValueError(f"unknown data parallelism {config.ddp!r}: 'ours' or 'torch'")
+        self.ddp = (data_parallel.BucketedDDP(self.model) if config.ddp == "ours" else
                     torch.nn.parallel.DistributedDataParallel(
                         self.model, device_ids=[device.index] if device.type == "cuda" else None))
         self.named = list(self.model.named_parameters())
@@ -226,9 +238,7 @@ class GPTTrainer:
         """Mean loss on `windows` fixed windows of held-out text (eval mode: dropout neither
         applies nor draws from the RNG, so evaluating never shifts the stream a resume replays)."""
         self.model.eval()
-        generator = torch.Generator().manual_seed(12345)
-        starts = torch.randint(0, data.numel() - self.config.seq - 1, (windows,), generator=generator)
-        batch = torch.stack([data[s:s + self.config.seq + 1] for s in starts.tolist()]).to(self.device)
+        batch = held_out_windows(data, windows, self.config.seq).to(self.device)
         logits = self.model(batch[:, :-1])
         self.model.train()
         return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)))

@@ -339,6 +339,23 @@ def global_state(gpt: GPT) -> dict[str, torch.Tensor]:
     return {name: t.detach() for name, t in state.items()}
 
 
+def load_global_state(gpt: GPT, state: dict[str, torch.Tensor]) -> GPT:
+    """`global_state`'s inverse: copy the named global tensors into a one-process GPT."""
+    with torch.no_grad():
+        for name, tensor in (("embed", gpt.embed.weight), ("pos", gpt.pos.weight),
+                             ("norm.weight", gpt.norm.weight), ("norm.bias", gpt.norm.bias),
+                             ("head", gpt.head.weight)):
+            tensor.copy_(state[name])
+        for i, block in enumerate(gpt.blocks):
+            for part in ("weight", "bias"):
+                for linear, piece in zip((block.q, block.k, block.v),
+                                         state[f"blocks.{i}.qkv.{part}"].chunk(3)):
+                    getattr(linear, part).copy_(piece)
+                for name in ("ln1", "ln2", "o", "up", "down"):
+                    getattr(getattr(block, name), part).copy_(state[f"blocks.{i}.{name}.{part}"])
+    return gpt
+
+
 class Stage(nn.Sequential):
     """This rank's part of the model: [Embedding] (stage 0), its L / pp ParallelBlocks, [Head]
     (last stage). `placements` lists (parameter, Placement) in parameter order."""

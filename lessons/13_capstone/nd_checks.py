@@ -6,7 +6,9 @@
   as checkpoint shards (joined by `nd.assemble` into the global tensors);
 * `random_batches`: the proof's data, the same global batches for every layout;
 * `compare_layouts`: run layouts and report each one's largest difference from
-  `nd.train_one_process` (the tests and the notebook call it).
+  `nd.train_one_process` (the tests and the notebook call it);
+* `CorpusNDTrainer`: the N-D trainer behind the capstone's run on the shipped corpus
+  (`--dp --tp --pp --cp`), with the interface of main.py's GPTTrainer.
 """
 
 from __future__ import annotations
@@ -96,3 +98,37 @@ def compare_layouts(layouts: list[nd.Layout], config: nd.GPTConfig | None = None
     return [{"layout": str(layout), **largest_differences(run_layout(config, layout, batches, device),
                                                             reference, model)}
             for layout in layouts]
+
+
+class CorpusNDTrainer(nd.NDTrainer):
+    """NDTrainer with GPTTrainer's interface, for main.py's `train` and the CLI: train_step
+    takes the corpus and returns the loss; evaluate and `dense_model` join every rank's shards
+    into the one-process model (a collective)."""
+
+    def __init__(self, run: capstone.GPTRunConfig, layout: nd.Layout, device: torch.device, vocab: int):
+        config = nd.GPTConfig(vocab=vocab, hidden=run.hidden, heads=run.heads, layers=run.layers,
+                              seq=run.seq, global_batch=run.global_batch, microbatches=run.accum,
+                              steps=run.steps, lr=run.lr, warmup=run.warmup, clip=run.clip,
+                              weight_decay=run.weight_decay, seed=run.seed)
+        super().__init__(config, layout, nd.build_mesh(layout, device.type), device)
+
+    def train_step(self, data: torch.Tensor) -> float:
+        windows = capstone.global_windows(data, self.config.seed, self.step, self.config.global_batch,
+                                          self.config.seq)
+        return super().train_step(windows)[0]
+
+    def dense_model(self) -> nd.GPT:
+        """The one-process model holding every rank's current weights (all ranks call it)."""
+        states: list = [None] * self.world
+        dist.all_gather_object(states, self.shard_state())
+        model = nd.build_gpt(self.config).to(self.device)
+        return nd.load_global_state(model, nd.assemble(states)["params"])
+
+    @torch.no_grad()
+    def evaluate(self, data: torch.Tensor, windows: int = 64) -> float:
+        """GPTTrainer.evaluate's loss (the same 64 held-out windows) of `dense_model()`."""
+        model = self.dense_model()
+        batch = capstone.held_out_windows(data, windows, self.config.seq).to(self.device)
+        logits = model(batch[:, :-1])
+        return float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       batch[:, 1:].reshape(-1)))

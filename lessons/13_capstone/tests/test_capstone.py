@@ -450,7 +450,7 @@ class TestRuns(unittest.TestCase):
         cls.resumed = C.main([*SMALL, "--out", str(cls.dir / "a"), "--resume",
                               "--json", str(cls.dir / "a.json")])
         cls.plain = C.main([*SMALL, "--out", str(cls.dir / "b"), "--json", str(cls.dir / "b.json")])
-        cls.torch_ddp = C.main([*SMALL, "--out", str(cls.dir / "c"), "--dp", "torch",
+        cls.torch_ddp = C.main([*SMALL, "--out", str(cls.dir / "c"), "--ddp", "torch",
                                 "--json", str(cls.dir / "c.json")])
 
     @classmethod

@@ -15,6 +15,7 @@ norms or weights by 1e-4 or more."""
 from __future__ import annotations
 
 import importlib
+import json
 import shutil
 import tempfile
 import unittest
@@ -22,12 +23,14 @@ from pathlib import Path
 
 import torch
 
-from lessons._testing import exercise
+from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
 nd = importlib.import_module("lessons.13_capstone.nd")  # the technique
 nd_checks = importlib.import_module("lessons.13_capstone.nd_checks")  # the harness
 tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")
+C = importlib.import_module("lessons.13_capstone.checks")  # the capstone's CLI
+MAIN = Path(nd.__file__).with_name("main.py")
 
 TOLERANCE = {"loss": 1e-12, "norm": 1e-12, "params": 1e-9}
 CONFIG = nd.GPTConfig(steps=4)
@@ -178,6 +181,64 @@ class TestResumeInAnotherLayout(unittest.TestCase):
         with self.assertRaisesRegex(Exception, "fingerprint"):
             nd_checks.run_layout(other, nd.Layout(dp=2), Runs.batches[:3], "cpu",
                                  ckpt_dir=Runs.scratch / "pp2", resume=True)
+
+
+ND_ARGS = ["--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "32", "--global-batch", "8",
+           "--accum", "2", "--steps", "8", "--save-every", "4", "--sample-chars", "0"]
+
+
+def metrics_of(path: Path) -> dict:
+    return json.loads(path.read_text())["metrics"]
+
+
+class TestCorpusRuns(unittest.TestCase):
+    """The capstone's CLI with --dp --tp --pp --cp on the shipped corpus: the demo's checks
+    (including a bitwise resume from the middle checkpoint), a resume in another layout, a
+    pipeline under torchrun on two nodes, bad layouts. (The real SIGKILL is test_capstone's:
+    the N-D run goes through the same worker and resume.)"""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dir = Path(tempfile.mkdtemp(prefix="capstone-nd-cli-"))
+        cls.plain = C.main([*ND_ARGS, "--tp", "2", "--cp", "2", "--device", "cpu",
+                            "--out", str(cls.dir / "plain"), "--json", str(cls.dir / "plain.json")])
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.dir, ignore_errors=True)
+
+    def test_the_n_d_demo_passes_and_resumes_bit_for_bit(self):
+        self.assertEqual(self.plain, 0)
+        metrics = metrics_of(self.dir / "plain.json")
+        self.assertEqual(metrics["layout"], {"dp": 1, "tp": 2, "pp": 1, "cp": 2})
+        self.assertEqual(metrics["resume_check"], "bitwise from step 4")
+
+    def test_a_tp2_x_cp2_checkpoint_resumes_as_dp2_x_pp2(self):
+        copy = self.dir / "other-layout"
+        shutil.copytree(self.dir / "plain", copy)
+        checkpointing.atomic_write_bytes(copy / "checkpoints" / checkpointing.LATEST,
+                                         (checkpointing.step_dir_name(4) + "\n").encode())
+        code = C.main([*ND_ARGS, "--dp", "2", "--pp", "2", "--device", "cpu", "--resume",
+                       "--out", str(copy), "--json", str(self.dir / "other.json")])
+        self.assertEqual(code, 0)
+        other, plain = metrics_of(self.dir / "other.json"), metrics_of(self.dir / "plain.json")
+        self.assertEqual(other["resumed_from"], 4)
+        # float32 on the CPU, sums in another order: the same trajectory to rounding
+        self.assertLess(abs(other["final_val_loss"] - plain["final_val_loss"]), 1e-4)
+
+    def test_torchrun_two_nodes_runs_a_pipeline_across_them(self):
+        out = self.dir / "torchrun"
+        report = run_under_torchrun(MAIN, [*ND_ARGS, "--pp", "2", "--out", str(out)],
+                                    nproc_per_node=1, nnodes=2)
+        self.assertTrue(report["passed"], report["checks"])
+        self.assertEqual(report["metrics"]["layout"], {"dp": 1, "tp": 1, "pp": 2, "cp": 1})
+
+    def test_bad_layouts_exit_2_with_one_line(self):
+        assert_argument_error(self, C.parse_args, [*ND_ARGS, "--tp", "4"], "--heads 2 is not divisible")
+        assert_argument_error(self, C.parse_args, [*ND_ARGS, "--pp", "3"], "--layers 2 is not divisible")
+        assert_argument_error(self, C.parse_args, [*ND_ARGS, "--cp", "3"], "--seq 32 is not divisible")
+        assert_argument_error(self, C.parse_args, [*ND_ARGS, "--dp", "3"], "--global-batch 8")
+        assert_argument_error(self, C.parse_args, [*ND_ARGS, "--tp", "2", "--ddp", "torch"], "--ddp torch")
 
 
 if __name__ == "__main__":
