@@ -458,7 +458,7 @@ class NDTrainer:
         self.config, self.layout, self.device = config, layout, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.coords = layout.coordinates(self.rank)
-        self.groups = {dim: mesh.get_group(dim) for dim in DIMS}
+        self.mesh, self.groups = mesh, {dim: mesh.get_group(dim) for dim in DIMS}
         tp = tensor_parallel.TensorParallelGroup.join(self.groups["tp"])
         self.stage = Stage(build_gpt(config, dtype), layout, self.coords, tp,
                            self.groups["cp"]).to(device)

@@ -36,13 +36,61 @@ def random_batches(config: nd.GPTConfig, steps: int, seed: int = 7) -> list[torc
             for _ in range(steps)]
 
 
+def dcp_state(trainer: nd.NDTrainer) -> dict:
+    """The same state as shard_state(), for torch.distributed.checkpoint: every parameter and
+    AdamW moment of this rank as a DTensor on the mesh's (dp, cp, tp) ranks of its stage,
+    replicated over dp and cp, Shard(dim) over tp (fused QKV as its q, k and v parts, each a
+    plain Shard(0)). ZeRO-1's dp slices of the moments are all-gathered first: DCP's DTensor
+    has no placement for "a flat slice of a tp piece"."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    submesh = trainer.mesh["dp", "cp", "tp"]
+    state = {}
+    for shard, (param, placement) in zip(trainer.zero.shards, trainer.stage.placements):
+        moments = trainer.zero.optimizer.state.get(shard, {})
+        tensors = {"params": param.detach()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            if key in moments:
+                rows, bounds = trainer.zero.padded(torch.zeros(param.numel(), dtype=param.dtype,
+                                                               device=param.device))
+                mine = rows.new_zeros(rows.shape[1])
+                mine[:shard.numel()] = moments[key]
+                dist.all_gather_single(rows.view(-1), mine, group=trainer.groups["dp"])
+                tensors[key] = torch.cat([row[:end - start] for row, (start, end)
+                                          in zip(rows, bounds)]).view_as(param)
+        tp_place = Replicate() if placement.dim is None else Shard(placement.dim)
+        for key, local in tensors.items():
+            for part, piece in enumerate(local.chunk(placement.parts, placement.dim or 0)):
+                name = f"{key}/{placement.name}" + (f"/{'qkv'[part]}" if placement.parts > 1 else "")
+                state[name] = DTensor.from_local(piece.contiguous(), submesh,
+                                                 [Replicate(), Replicate(), tp_place], run_check=False)
+    return state
+
+
+def dcp_matches_ours(trainer: nd.NDTrainer, dcp_dir: str) -> dict:
+    """Load `dcp_dir` (saved by dcp_state in any layout) into this layout's DTensors and compare
+    with what load_shards put in the trainer: {"tensors": compared, "max_abs_diff"}."""
+    import torch.distributed.checkpoint as dcp
+
+    ours = dcp_state(trainer)
+    loaded = {name: torch.distributed.tensor.DTensor.from_local(
+        torch.zeros_like(t.to_local()), t.device_mesh, t.placements, run_check=False)
+        for name, t in ours.items()}
+    dcp.load(loaded, checkpoint_id=dcp_dir)
+    worst = max((loaded[n].to_local() - ours[n].to_local()).abs().max().item() for n in ours)
+    return {"tensors": len(ours), "max_abs_diff": worst}
+
+
 def layout_worker(ctx: RankContext, config: dict, layout: dict, batches: list[torch.Tensor],
-                  ckpt_dir: str | None = None, save_every: int = 0, resume: bool = False) -> dict:
+                  ckpt_dir: str | None = None, save_every: int = 0, resume: bool = False,
+                  dcp_dir: str | None = None, dcp_save: bool = False) -> dict:
     """One rank: build the mesh and an NDTrainer (float64 on CPU), resume from `ckpt_dir`'s
     latest checkpoint if asked (any layout's: lesson 06's verified load, then load_shards),
     train until step len(batches) saving every `save_every` steps, and return plain data:
     {"coords", "groups": {dim: ranks of this rank's group}, "history": [(loss, norm)] of the
-    steps it ran, "resumed_from", "state": shard_state() at the end, serialised}."""
+    steps it ran, "resumed_from", "state": shard_state() at the end, serialised}. With
+    `dcp_dir`: at the end, save the same state with torch.distributed.checkpoint there
+    (`dcp_save`) or load it and compare with ours ("dcp")."""
     config, layout = nd.GPTConfig(**config), nd.Layout(**layout)
     mesh = nd.build_mesh(layout, ctx.device.type)
     dtype = torch.float64 if ctx.device.type == "cpu" else torch.float32
@@ -55,18 +103,26 @@ def layout_worker(ctx: RankContext, config: dict, layout: dict, batches: list[to
         history.append(trainer.train_step(batches[trainer.step]))
         if checkpointer is not None:
             checkpointer.maybe_save(trainer)
-    return {"coords": trainer.coords, "resumed_from": resumed_from, "history": history,
+    dcp_result = None
+    if dcp_dir and dcp_save:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(dcp_state(trainer), checkpoint_id=dcp_dir)
+    elif dcp_dir:
+        dcp_result = dcp_matches_ours(trainer, dcp_dir)
+    return {"coords": trainer.coords, "resumed_from": resumed_from, "history": history, "dcp": dcp_result,
             "groups": {dim: dist.get_process_group_ranks(trainer.groups[dim]) for dim in nd.DIMS},
             "state": checkpointing.serialize(trainer.shard_state())}
 
 
 def run_layout(config: nd.GPTConfig, layout: nd.Layout, batches: list[torch.Tensor],
                device: str = "cpu", ckpt_dir: Path | None = None, save_every: int = 0,
-               resume: bool = False, timeout_s: float = 120.0) -> list[dict]:
+               resume: bool = False, dcp_dir: Path | None = None, dcp_save: bool = False,
+               timeout_s: float = 120.0) -> list[dict]:
     """`layout_worker` on layout.world ranks; its results in rank order, states loaded."""
     results = launch(layout_worker, layout.world,
                      (dataclasses.asdict(config), dataclasses.asdict(layout), batches,
-                      None if ckpt_dir is None else str(ckpt_dir), save_every, resume),
+                      None if ckpt_dir is None else str(ckpt_dir), save_every, resume,
+                      None if dcp_dir is None else str(dcp_dir), dcp_save),
                      device=device, timeout_s=timeout_s)
     for result in results:
         result["state"] = torch.load(io.BytesIO(result["state"]), weights_only=True)

@@ -54,8 +54,10 @@ class Runs:
             cls.reference, cls.model = nd.train_one_process(CONFIG, cls.batches)
             for name, layout in LAYOUTS.items():
                 ckpt = cls.scratch / name if name in SAVED else None
+                dcp_dir = cls.scratch / "dcp" if name == SAVED[0] else None  # the end, as DCP saves it
                 cls.results[name] = nd_checks.run_layout(CONFIG, layout, cls.batches, "cpu",
-                                                         ckpt_dir=ckpt, save_every=2 if ckpt else 0)
+                                                         ckpt_dir=ckpt, save_every=2 if ckpt else 0,
+                                                         dcp_dir=dcp_dir, dcp_save=True)
         return cls.results
 
     @classmethod
@@ -169,6 +171,17 @@ class TestResumeInAnotherLayout(unittest.TestCase):
     def test_the_same_layout_resumes_bit_for_bit(self):
         Runs.get()
         self.assert_continues_the_run(Runs.resume("dp2xtp2", nd.Layout(dp=2, tp=2), 2), exact=True)
+
+    def test_our_resharded_load_equals_torch_distributed_checkpoint(self):
+        # the dp2 x tp2 run's end, saved by us and by DCP (DTensors), loaded as dp2 x pp2
+        Runs.get()
+        results = nd_checks.run_layout(CONFIG, nd.Layout(dp=2, pp=2), Runs.batches, "cpu",
+                                       ckpt_dir=Runs.scratch / "dp2xtp2", resume=True,
+                                       dcp_dir=Runs.scratch / "dcp")
+        for rank, result in enumerate(results):
+            self.assertEqual(result["resumed_from"], 4)
+            self.assertGreater(result["dcp"]["tensors"], 100, rank)
+            self.assertEqual(result["dcp"]["max_abs_diff"], 0.0, rank)
 
     def test_a_missing_slice_is_named(self):
         states = [dict(r["state"], tensors=dict(r["state"]["tensors"])) for r in Runs.get()["dp2xtp2"]]
