@@ -460,6 +460,10 @@ if __name__ == "__main__":
                         help="float32 on cuda for context_parallel (a CUDA attention kernel)")
     parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args()
-    print(format_table(compare_with_torch([parse_layout(text) for text in args.layouts],
+    try:
+        layouts = [parse_layout(text) for text in args.layouts]
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(format_table(compare_with_torch(layouts,
                                           device=args.device, dtype=getattr(torch, args.dtype),
                                           steps=args.steps)))
