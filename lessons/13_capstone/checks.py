@@ -247,7 +247,7 @@ def layout_from(parser, args) -> nd.Layout | None:
         parser.error(f"--seq {args.seq} is not divisible by 2 x cp x tp = {2 * layout.cp * layout.tp}")
     if args.ddp != "ours":
         parser.error(f"--ddp {args.ddp} picks the data-parallel run's engine; the N-D run is nd.py's")
-    args.world_size, args.dropout = layout.world, 0.0  # the layout sets the ranks; nd.GPT has no dropout
+    args.world_size, args.dropout = layout.world, 0.0  # the layout sets the ranks; no dropout in N-D
     return layout
 
 

@@ -7,8 +7,8 @@ imported from its lesson, on one DeviceMesh whose four dimensions are nested lik
 1. the mesh: `Layout` (dp, tp, pp, cp; their product is the world size), each rank's
    coordinates, and which ranks share each dimension (a pure enumeration a test holds
    `init_device_mesh`'s groups to);
-2. the model, one process: `GPT` (token and position tables, pre-norm blocks, final norm,
-   untied head), the run every layout must reproduce;
+2. the model, one process: nd_model.py's `GPT` (token and position tables, pre-norm blocks,
+   final norm, untied head), the run every layout must reproduce;
 3. one rank's part: the blocks of its pipeline stage (lesson 05's split), each a lesson 04
    sequence-parallel block over tp whose attention is lesson 11's ring over cp; its tokens
    are the zig-zag positions of its cp rank, then its tp rank's contiguous piece of them;
@@ -18,8 +18,9 @@ imported from its lesson, on one DeviceMesh whose four dimensions are nested lik
    scatter the mean, AdamW on the shard, all-gather), global-norm clipping with every
    gradient element counted once, and the logged loss reduced over tp, cp and dp and sent
    from the last stage to every rank;
-5. checkpoints that name where each shard lives in the global tensors, so a run saved in
-   one layout resumes in another (lesson 06's protocol writes and verifies the files).
+5. checkpoints that name where each shard lives in the global tensors (nd_placement.py), so
+   a run saved in one layout resumes in another (lesson 06's protocol writes and verifies the
+   files).
 
 Simplified against Megatron-LM and torchtitan: the vocabulary is not split over tp (every tp
 rank holds both tables and the head), no dropout (with TP it needs per-region RNG streams),
@@ -31,25 +32,20 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
-import json
-import math
-import sys
 from collections.abc import Callable
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the `lessons` package importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import nd_model, nd_placement
+
 collectives = importlib.import_module("lessons.01_collectives.main")  # chunk_bounds, Traffic
 zero = importlib.import_module("lessons.03_zero.main")  # ZeroStage1, shard_bounds
 tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")  # SP blocks
 pipeline = importlib.import_module("lessons.05_pipeline.main")  # 1F1B, pipeline_step
-checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # cosine_with_warmup
+checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # schedule, errors
 context_parallel = importlib.import_module("lessons.11_context_parallel.main")  # ring attention
 
 # ============================================================================ 1. the mesh
@@ -115,106 +111,7 @@ def build_mesh(layout: Layout, device_type: str):
     return init_device_mesh(device_type, layout.sizes(), mesh_dim_names=DIMS)
 
 
-# ============================================================================ 2. the model
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTConfig:
-    """The model and the run. Every layout trains the same global batch per step:
-    `global_batch` sequences of `seq` tokens, each dp replica's share cut into `microbatches`."""
-
-    vocab: int = 32
-    hidden: int = 32
-    heads: int = 4
-    layers: int = 4
-    seq: int = 16
-    global_batch: int = 8
-    microbatches: int = 2
-    steps: int = 4
-    lr: float = 3e-3
-    warmup: int = 2
-    clip: float = 1.0
-    weight_decay: float = 0.1
-    seed: int = 0
-
-    def fingerprint(self) -> str:
-        """The run's identity, the same in every layout (a checkpoint resumes in any)."""
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":"))
-        return checkpointing.sha256_hex(text.encode())[:16]
-
-
-class Block(nn.Module):
-    """Pre-norm transformer block on (s, b, h): x + o(attn(q, k, v of ln1 x)), then
-    + down(gelu(up(ln2 x))); the attributes lesson 04's TensorParallelBlock splits."""
-
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
-        self.q, self.k, self.v, self.o = (nn.Linear(hidden, hidden) for _ in range(4))
-        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.ln1(x)
-        x = x + self.o(tensor_parallel.causal_attention(self.q(a), self.k(a), self.v(a), self.heads))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """tokens (b, s) -> logits (b, s, vocab): embed + learned positions, `layers` Blocks,
-    final LayerNorm, untied head (no bias)."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.embed = nn.Embedding(config.vocab, config.hidden)
-        self.pos = nn.Embedding(config.seq, config.hidden)
-        self.blocks = nn.ModuleList(Block(config.hidden, config.heads) for _ in range(config.layers))
-        self.norm = nn.LayerNorm(config.hidden)
-        self.head = nn.Linear(config.hidden, config.vocab, bias=False)
-        for table in (self.embed, self.pos):
-            nn.init.normal_(table.weight, std=0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = (self.embed(tokens) + self.pos.weight[: tokens.shape[1]]).transpose(0, 1)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x)).transpose(0, 1)
-
-
-def build_gpt(config: GPTConfig, dtype: torch.dtype = torch.float32) -> GPT:
-    """The same initial weights on every rank: seeded, built on the CPU."""
-    torch.manual_seed(config.seed)
-    return GPT(config).to(dtype)
-
-
-def adamw(params_by_dim: list[tuple[torch.Tensor, int]], config: GPTConfig) -> torch.optim.AdamW:
-    """AdamW with nanoGPT's groups: tensors of 2+ dimensions decay (judged by the dimension of
-    the parameter each tensor is, or is a shard of), the others do not."""
-    decay = [p for p, dim in params_by_dim if dim >= 2]
-    keep = [p for p, dim in params_by_dim if dim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                              {"params": keep, "weight_decay": 0.0}], lr=config.lr, foreach=False)
-
-
-def train_one_process(config: GPTConfig, batches: list[torch.Tensor],
-                      dtype: torch.dtype = torch.float64) -> tuple[list[tuple[float, float]], GPT]:
-    """The reference every layout must equal: whole batches (B, seq + 1), mean cross-entropy,
-    torch's clip_grad_norm_, AdamW, warmup + cosine. Returns [(loss, norm before clipping)]."""
-    model = build_gpt(config, dtype)
-    optimizer = adamw([(p, p.dim()) for p in model.parameters()], config)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
-    history = []
-    for windows in batches:
-        logits = model(windows[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, config.vocab), windows[:, 1:].reshape(-1))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        history.append((loss.item(), norm.item()))
-    return history, model
+# ============================================================================ 2. the model: nd_model.py
 
 
 # ============================================================================ 3. one rank's part
@@ -230,41 +127,10 @@ def local_positions(seq: int, layout: Layout, cp_rank: int, tp_rank: int) -> tor
     return held[tp_rank * size:(tp_rank + 1) * size]
 
 
-@dataclasses.dataclass
-class Placement:
-    """Where a rank's tensor sits in the global one: replicated (dim None), or rank r of the
-    tp ranks holds, along `dim`, piece r of each of `parts` equal parts (fused QKV: 3)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dim: int | None = None
-    parts: int = 1
-
-
-# exercise placements (3 points): A tp rank's piece of a global tensor, and back
-# hint: fused QKV is 3 parts: rank r holds piece r of EACH part, side by side.
-def cut(full: torch.Tensor, placement: Placement, rank: int, size: int) -> torch.Tensor:
-    """The piece of the global tensor `full` that tp rank `rank` of `size` holds."""
-    if placement.dim is None:
-        return full.clone()
-    return torch.cat([part.chunk(size, placement.dim)[rank]
-                      for part in full.chunk(placement.parts, placement.dim)], placement.dim)
-
-
-# exercise placements (continued)
-def join(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
-    """`cut`'s inverse: the global tensor from every tp rank's piece, in tp-rank order."""
-    if placement.dim is None:
-        return pieces[0].clone()
-    split = [piece.chunk(placement.parts, placement.dim) for piece in pieces]
-    return torch.cat([torch.cat([s[j] for s in split], placement.dim)
-                      for j in range(placement.parts)], placement.dim)
-
-
 class Embedding(nn.Module):
     """Stage 0's entry: tokens (b, n) at this rank's positions -> (n, b, h). Replicated."""
 
-    def __init__(self, gpt: GPT, positions: torch.Tensor):
+    def __init__(self, gpt: nd_model.GPT, positions: torch.Tensor):
         super().__init__()
         self.embed = nn.Parameter(gpt.embed.weight.detach().clone())
         self.pos = nn.Parameter(gpt.pos.weight.detach().clone())
@@ -277,7 +143,7 @@ class Embedding(nn.Module):
 class Head(nn.Module):
     """The last stage's exit: (n, b, h) -> logits (n, b, vocab). Replicated."""
 
-    def __init__(self, gpt: GPT):
+    def __init__(self, gpt: nd_model.GPT):
         super().__init__()
         self.norm = nn.LayerNorm(gpt.norm.normalized_shape).to(gpt.norm.weight.dtype)
         self.norm.load_state_dict(gpt.norm.state_dict())
@@ -293,7 +159,7 @@ class ParallelBlock(tensor_parallel.SequenceParallelBlock):
     positions over tp, this rank's H / tp heads attend over the whole sequence round the cp
     ring, and the O exit reduce-scatters back to n positions."""
 
-    def __init__(self, dense: Block, tp: tensor_parallel.TensorParallelGroup,
+    def __init__(self, dense: nd_model.Block, tp: tensor_parallel.TensorParallelGroup,
                  cp_group: dist.ProcessGroup, seq: int):
         super().__init__(dense, tp)
         self.cp_group, self.seq = cp_group, seq
@@ -316,51 +182,11 @@ class ParallelBlock(tensor_parallel.SequenceParallelBlock):
         return x + self.down(F.gelu(self.up(self.ln2(x))))
 
 
-BLOCK_PLACEMENTS = {  # local name in a ParallelBlock -> (global suffix, dim, parts)
-    "ln1.weight": ("ln1.weight", None, 1), "ln1.bias": ("ln1.bias", None, 1),
-    "ln2.weight": ("ln2.weight", None, 1), "ln2.bias": ("ln2.bias", None, 1),
-    "qkv.weight": ("qkv.weight", 0, 3), "qkv.bias": ("qkv.bias", 0, 3),  # column-parallel
-    "o.weight": ("o.weight", 1, 1), "o.bias": ("o.bias", None, 1),  # row-parallel
-    "up.weight": ("up.weight", 0, 1), "up.bias": ("up.bias", 0, 1),
-    "down.weight": ("down.weight", 1, 1), "down.bias": ("down.bias", None, 1),
-}
-
-
-def global_state(gpt: GPT) -> dict[str, torch.Tensor]:
-    """The one-process model under the names checkpoints use (q, k, v fused as qkv)."""
-    state = {"embed": gpt.embed.weight, "pos": gpt.pos.weight, "norm.weight": gpt.norm.weight,
-             "norm.bias": gpt.norm.bias, "head": gpt.head.weight}
-    for i, block in enumerate(gpt.blocks):
-        for part in ("weight", "bias"):
-            state[f"blocks.{i}.qkv.{part}"] = torch.cat([getattr(getattr(block, n), part)
-                                                         for n in "qkv"])
-            for name in ("ln1", "ln2", "o", "up", "down"):
-                state[f"blocks.{i}.{name}.{part}"] = getattr(getattr(block, name), part)
-    return {name: t.detach() for name, t in state.items()}
-
-
-def load_global_state(gpt: GPT, state: dict[str, torch.Tensor]) -> GPT:
-    """`global_state`'s inverse: copy the named global tensors into a one-process GPT."""
-    with torch.no_grad():
-        for name, tensor in (("embed", gpt.embed.weight), ("pos", gpt.pos.weight),
-                             ("norm.weight", gpt.norm.weight), ("norm.bias", gpt.norm.bias),
-                             ("head", gpt.head.weight)):
-            tensor.copy_(state[name])
-        for i, block in enumerate(gpt.blocks):
-            for part in ("weight", "bias"):
-                for linear, piece in zip((block.q, block.k, block.v),
-                                         state[f"blocks.{i}.qkv.{part}"].chunk(3)):
-                    getattr(linear, part).copy_(piece)
-                for name in ("ln1", "ln2", "o", "up", "down"):
-                    getattr(getattr(block, name), part).copy_(state[f"blocks.{i}.{name}.{part}"])
-    return gpt
-
-
 class Stage(nn.Sequential):
     """This rank's part of the model: [Embedding] (stage 0), its L / pp ParallelBlocks, [Head]
-    (last stage). `placements` lists (parameter, Placement) in parameter order."""
+    (last stage). `placements` lists (parameter, nd_placement.Placement) in parameter order."""
 
-    def __init__(self, gpt: GPT, layout: Layout, coords: dict[str, int],
+    def __init__(self, gpt: nd_model.GPT, layout: Layout, coords: dict[str, int],
                  tp: tensor_parallel.TensorParallelGroup, cp_group: dist.ProcessGroup):
         seq = gpt.pos.weight.shape[0]
         if len(gpt.blocks) % layout.pp:
@@ -375,13 +201,14 @@ class Stage(nn.Sequential):
         if coords["pp"] == layout.pp - 1:
             modules.append(("", Head(gpt)))
         super().__init__(*(module for _, module in modules))
-        full = global_state(gpt)
-        self.placements: list[tuple[nn.Parameter, Placement]] = []
+        full = nd_model.global_state(gpt)
+        self.placements: list[tuple[nn.Parameter, nd_placement.Placement]] = []
         for prefix, module in modules:
             for local, param in module.named_parameters():
-                suffix, dim, parts = BLOCK_PLACEMENTS[local] if prefix else (local, None, 1)
+                suffix, dim, parts = nd_placement.BLOCK_PLACEMENTS[local] if prefix else (local, None, 1)
                 name = prefix + suffix
-                self.placements.append((param, Placement(name, tuple(full[name].shape), dim, parts)))
+                placement = nd_placement.Placement(name, tuple(full[name].shape), dim, parts)
+                self.placements.append((param, placement))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x).contiguous()  # what a stage sends must be contiguous
@@ -453,18 +280,18 @@ class NDTrainer:
     batch on every rank. Lesson 06's Checkpointer uses shard_state() / load_shards(), `step`,
     `rank`, `world` and `config.fingerprint()`."""
 
-    def __init__(self, config: GPTConfig, layout: Layout, mesh, device: torch.device,
+    def __init__(self, config: nd_model.GPTConfig, layout: Layout, mesh, device: torch.device,
                  dtype: torch.dtype = torch.float32):
         self.config, self.layout, self.device = config, layout, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.coords = layout.coordinates(self.rank)
         self.mesh, self.groups = mesh, {dim: mesh.get_group(dim) for dim in DIMS}
         tp = tensor_parallel.TensorParallelGroup.join(self.groups["tp"])
-        self.stage = Stage(build_gpt(config, dtype), layout, self.coords, tp,
+        self.stage = Stage(nd_model.build_gpt(config, dtype), layout, self.coords, tp,
                            self.groups["cp"]).to(device)
         self.positions = local_positions(config.seq, layout, self.coords["cp"], self.coords["tp"])
         named = [(p.name, param) for param, p in self.stage.placements]
-        self.zero = ZeroOverGroup(named, self.groups["dp"], lambda shards: adamw(
+        self.zero = ZeroOverGroup(named, self.groups["dp"], lambda shards: nd_model.adamw(
             [(shard, len(p.shape)) for shard, (_, p) in zip(shards, self.stage.placements)], config))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.zero.optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
@@ -546,94 +373,9 @@ class NDTrainer:
 
     # ------------------------------------------------------------- 5. checkpoints
     def shard_state(self) -> dict:
-        """This rank's part of a checkpoint: for every tensor it is the first holder of (cp
-        rank 0; replicated ones on tp rank 0), its ZeRO shard of the parameter and of AdamW's
-        moments, with where the shard sits: {"tensors": {name: {"placement": [shape, dim,
-        parts], "tp": [tp rank, tp size], "flat": [start, end], "params", "exp_avg",
-        "exp_avg_sq": 1-D CPU tensors}}, "step", "adam_step", "scheduler", "lr", "layout",
-        "world_size", "fingerprint"}."""
-        tensors = {}
-        for shard, (start, end), (_, placement) in zip(self.zero.shards, self.zero.bounds,
-                                                       self.stage.placements):
-            if self.coords["cp"] or (placement.dim is None and self.coords["tp"]):
-                continue
-            state = self.zero.optimizer.state.get(shard, {})
-            tensors[placement.name] = {
-                "placement": [list(placement.shape), placement.dim, placement.parts],
-                "tp": [self.coords["tp"], self.layout.tp], "flat": [start, end],
-                **{key: t.detach().cpu().clone() for key, t in
-                   (("params", shard), ("exp_avg", state.get("exp_avg")),
-                    ("exp_avg_sq", state.get("exp_avg_sq"))) if t is not None}}
-        adam_step = next((s["step"].item() for s in self.zero.optimizer.state.values()), 0)
-        return {"step": self.step, "rank": self.rank, "world_size": self.world,
-                "layout": dataclasses.asdict(self.layout), "fingerprint": self.config.fingerprint(),
-                "tensors": tensors, "adam_step": adam_step,
-                "scheduler": self.scheduler.state_dict(),
-                "lr": [group["lr"] for group in self.zero.optimizer.param_groups]}
+        """This rank's part of a checkpoint: nd_placement.checkpoint_state(self)."""
+        return nd_placement.checkpoint_state(self)
 
     def load_shards(self, shards: list[dict]) -> None:
-        """Continue from any layout's shards: each global tensor is joined from the saved
-        pieces (`assemble`), then this rank cuts its own piece and ZeRO shard from it."""
-        full = assemble(shards)
-        for _, placement in self.stage.placements:
-            saved = full["params"].get(placement.name)
-            if saved is None or tuple(saved.shape) != placement.shape:
-                raise checkpointing.CheckpointError(
-                    f"{placement.name}: the checkpoint holds "
-                    f"{'no such tensor' if saved is None else tuple(saved.shape)}, this model "
-                    f"needs {placement.shape}: not a checkpoint of this model")
-        for shard, (start, end), (param, placement) in zip(self.zero.shards, self.zero.bounds,
-                                                            self.stage.placements):
-            pieces = {key: cut(full[key][placement.name], placement, self.coords["tp"],
-                               self.layout.tp).to(param.device)
-                      for key in ("params", "exp_avg", "exp_avg_sq") if placement.name in full[key]}
-            with torch.no_grad():
-                param.copy_(pieces.pop("params"))
-            if pieces:
-                self.zero.optimizer.state[shard] = {
-                    "step": torch.tensor(float(shards[0]["adam_step"]), dtype=torch.float32),
-                    **{key: t.reshape(-1)[start:end].clone() for key, t in pieces.items()}}
-        self.step = shards[0]["step"]
-        self.scheduler.load_state_dict(shards[0]["scheduler"])
-        for group, lr in zip(self.zero.optimizer.param_groups, shards[0]["lr"]):
-            group["lr"] = lr
-
-
-def assemble(shards: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
-    """Every saved rank's shard_state() -> {"params" | "exp_avg" | "exp_avg_sq": {name: the
-    global tensor}}: per tp rank, the ZeRO slices in order must tile its piece exactly, then
-    `join` puts the tp pieces together. A missing or overlapping slice: CheckpointError
-    naming the tensor and the tp rank."""
-    found: dict[str, dict[int, list]] = {}
-    meta: dict[str, tuple] = {}
-    for shard in shards:
-        for name, entry in shard["tensors"].items():
-            meta[name] = entry["placement"], entry["tp"][1]
-            found.setdefault(name, {}).setdefault(entry["tp"][0], []).append(entry)
-    out: dict[str, dict[str, torch.Tensor]] = {"params": {}, "exp_avg": {}, "exp_avg_sq": {}}
-    for name, by_tp in found.items():
-        (shape, dim, parts), tp = meta[name]
-        placement = Placement(name, tuple(shape), dim, parts)
-        local_numel = math.prod(shape) // (tp if dim is not None else 1)
-        local_shape = [s // tp if d == dim else s for d, s in enumerate(shape)]
-        for key in out:
-            pieces = []
-            for tp_rank in range(tp if dim is not None else 1):
-                entries = sorted(by_tp.get(tp_rank, []), key=lambda e: e["flat"][0])
-                covered = 0
-                for entry in entries:
-                    if entry["flat"][0] != covered:
-                        raise checkpointing.CheckpointError(
-                            f"{name}: tp rank {tp_rank}'s elements from {covered} are missing "
-                            f"or overlap (a slice starts at {entry['flat'][0]})")
-                    covered = entry["flat"][1]
-                if covered != local_numel:
-                    raise checkpointing.CheckpointError(
-                        f"{name}: tp rank {tp_rank}'s slices cover {covered} of {local_numel} "
-                        "elements")
-                if key != "params" and any(key not in e for e in entries):
-                    break
-                pieces.append(torch.cat([e[key] for e in entries]).view(local_shape))
-            else:
-                out[key][name] = join(pieces, placement)
-    return out
+        """Continue from any layout's shards: nd_placement.load_checkpoint_state(self, shards)."""
+        nd_placement.load_checkpoint_state(self, shards)

@@ -3,10 +3,10 @@
 * `layout_worker`: one rank of a layout: the mesh's groups (for the test that holds them to
   `nd.dimension_groups`), a run of `nd.NDTrainer` on given global batches, checkpoints through
   lesson 06's protocol and a resume from them in this or another layout, and the final state
-  as checkpoint shards (joined by `nd.assemble` into the global tensors);
+  as checkpoint shards (joined by `nd_placement.assemble` into the global tensors);
 * `random_batches`: the proof's data, the same global batches for every layout;
 * `compare_layouts`: run layouts and report each one's largest difference from
-  `nd.train_one_process` (the tests and the notebook call it);
+  `nd_model.train_one_process` (the tests and the notebook call it);
 * `CorpusNDTrainer`: the N-D trainer behind the capstone's run on the shipped corpus
   (`--dp --tp --pp --cp`), with the interface of main.py's GPTTrainer.
 """
@@ -23,13 +23,13 @@ import torch.distributed as dist
 
 from lessons._launch import RankContext, launch
 
-from . import nd
+from . import nd, nd_model, nd_placement
 
 capstone = importlib.import_module("lessons.13_capstone.main")  # resume()
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # Checkpointer
 
 
-def random_batches(config: nd.GPTConfig, steps: int, seed: int = 7) -> list[torch.Tensor]:
+def random_batches(config: nd_model.GPTConfig, steps: int, seed: int = 7) -> list[torch.Tensor]:
     """`steps` global batches (global_batch, seq + 1) of random tokens, the same everywhere."""
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, config.vocab, (config.global_batch, config.seq + 1), generator=generator)
@@ -91,7 +91,7 @@ def layout_worker(ctx: RankContext, config: dict, layout: dict, batches: list[to
     steps it ran, "resumed_from", "state": shard_state() at the end, serialised}. With
     `dcp_dir`: at the end, save the same state with torch.distributed.checkpoint there
     (`dcp_save`) or load it and compare with ours ("dcp")."""
-    config, layout = nd.GPTConfig(**config), nd.Layout(**layout)
+    config, layout = nd_model.GPTConfig(**config), nd.Layout(**layout)
     mesh = nd.build_mesh(layout, ctx.device.type)
     dtype = torch.float64 if ctx.device.type == "cpu" else torch.float32
     trainer = nd.NDTrainer(config, layout, mesh, ctx.device, dtype)
@@ -114,7 +114,7 @@ def layout_worker(ctx: RankContext, config: dict, layout: dict, batches: list[to
             "state": checkpointing.serialize(trainer.shard_state())}
 
 
-def run_layout(config: nd.GPTConfig, layout: nd.Layout, batches: list[torch.Tensor],
+def run_layout(config: nd_model.GPTConfig, layout: nd.Layout, batches: list[torch.Tensor],
                device: str = "cpu", ckpt_dir: Path | None = None, save_every: int = 0,
                resume: bool = False, dcp_dir: Path | None = None, dcp_save: bool = False,
                timeout_s: float = 120.0) -> list[dict]:
@@ -130,27 +130,27 @@ def run_layout(config: nd.GPTConfig, layout: nd.Layout, batches: list[torch.Tens
 
 
 def largest_differences(results: list[dict], reference: list[tuple[float, float]],
-                        model: nd.GPT) -> dict[str, float]:
+                        model: nd_model.GPT) -> dict[str, float]:
     """Max |difference| from the one-process run over every rank and step: of the loss, of the
     gradient norm, and of every final parameter (the shards joined into global tensors)."""
     offset = len(reference) - len(results[0]["history"])
     pairs = [(mine, reference[offset + i]) for r in results for i, mine in enumerate(r["history"])]
     loss = max(abs(mine[0] - theirs[0]) for mine, theirs in pairs)
     norm = max(abs(mine[1] - theirs[1]) for mine, theirs in pairs)
-    params = nd.assemble([r["state"] for r in results])["params"]
-    expected = nd.global_state(model)
+    params = nd_placement.assemble([r["state"] for r in results])["params"]
+    expected = nd_model.global_state(model)
     if set(params) != set(expected):
         raise AssertionError(f"the shards hold {sorted(set(params) ^ set(expected))[:3]} differently")
     weights = max((params[name] - expected[name]).abs().max().item() for name in expected)
     return {"loss": loss, "norm": norm, "params": weights}
 
 
-def compare_layouts(layouts: list[nd.Layout], config: nd.GPTConfig | None = None, steps: int = 4,
+def compare_layouts(layouts: list[nd.Layout], config: nd_model.GPTConfig | None = None, steps: int = 4,
                     device: str = "cpu") -> list[dict]:
     """Each layout against one process: [{"layout", "loss", "norm", "params"}] (max |diff|)."""
-    config = config or nd.GPTConfig(steps=steps)
+    config = config or nd_model.GPTConfig(steps=steps)
     batches = random_batches(config, steps)
-    reference, model = nd.train_one_process(config, batches)
+    reference, model = nd_model.train_one_process(config, batches)
     return [{"layout": str(layout), **largest_differences(run_layout(config, layout, batches, device),
                                                             reference, model)}
             for layout in layouts]
@@ -162,7 +162,7 @@ class CorpusNDTrainer(nd.NDTrainer):
     into the one-process model (a collective)."""
 
     def __init__(self, run: capstone.GPTRunConfig, layout: nd.Layout, device: torch.device, vocab: int):
-        config = nd.GPTConfig(vocab=vocab, hidden=run.hidden, heads=run.heads, layers=run.layers,
+        config = nd_model.GPTConfig(vocab=vocab, hidden=run.hidden, heads=run.heads, layers=run.layers,
                               seq=run.seq, global_batch=run.global_batch, microbatches=run.accum,
                               steps=run.steps, lr=run.lr, warmup=run.warmup, clip=run.clip,
                               weight_decay=run.weight_decay, seed=run.seed)
@@ -173,12 +173,12 @@ class CorpusNDTrainer(nd.NDTrainer):
                                           self.config.seq)
         return super().train_step(windows)[0]
 
-    def dense_model(self) -> nd.GPT:
+    def dense_model(self) -> nd_model.GPT:
         """The one-process model holding every rank's current weights (all ranks call it)."""
         states: list = [None] * self.world
         dist.all_gather_object(states, self.shard_state())
-        model = nd.build_gpt(self.config).to(self.device)
-        return nd.load_global_state(model, nd.assemble(states)["params"])
+        model = nd_model.build_gpt(self.config).to(self.device)
+        return nd_model.load_global_state(model, nd_placement.assemble(states)["params"])
 
     @torch.no_grad()
     def evaluate(self, data: torch.Tensor, windows: int = 64) -> float:

@@ -1,7 +1,7 @@
 """PyTorch's production path beside ours: the same GPT, layout and batches through torch's engines.
 
 nd.py composes the course's own pieces; torchtitan composes PyTorch's. Here the same model
-(`nd.build_gpt`, the same initial weights as `nd.train_one_process`) trains on the same mesh
+(`nd_model.build_gpt`, the same initial weights as `nd_model.train_one_process`) trains on the same mesh
 (`nd.build_mesh`) with PyTorch's engines, on the same global batch per step, with the same loss
 (mean cross-entropy over the global batch), global-norm clipping, AdamW with nanoGPT's groups and
 lesson 06's warmup + cosine. Per step it returns (loss, gradient norm), to hold next to
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from lessons._launch import RankContext, launch
 
 nd = importlib.import_module("lessons.13_capstone.nd")
+nd_model = importlib.import_module("lessons.13_capstone.nd_model")
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # cosine_with_warmup
 
 ENGINES = {"dp": "fully_shard", "tp": "parallelize_module", "pp": "pipelining 1F1B",
@@ -82,7 +83,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int
 
 
 class GPTStage(nn.Module):
-    """Stage `stage` of `stages` of an nd.GPT, cut by hand as torchtitan's manual pipeline split
+    """Stage `stage` of `stages` of an nd_model.GPT, cut by hand as torchtitan's manual pipeline split
     does (stages = 1: the whole model): the first keeps the embeddings, each its layers / stages
     blocks, the last the final norm and head. tokens (b, s) or x (s, b, h) -> x (s, b, h) or
     logits (b, s, vocab). `positions` (s,) are the tokens' positions: context_parallel shards
@@ -100,7 +101,7 @@ class GPTStage(nn.Module):
         self.sdpa = sdpa
 
     def block(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """nd.Block's forward, its attention through SDPA when `sdpa`."""
+        """nd_model.Block's forward, its attention through SDPA when `sdpa`."""
         if not self.sdpa:
             return block(x)
         a = block.ln1(x)
@@ -223,9 +224,9 @@ def train(params: list[nn.Parameter], forward_backward: Callable[[torch.Tensor],
     """The loop every engine shares: `forward_backward(windows)` runs the step's forward and
     backward on the global batch `windows` (B, seq + 1) and returns its mean loss (a 0-d
     tensor, the same on every rank); then the global norm, torch's clip_grads_with_norm_,
-    AdamW (nd.adamw: a DTensor keeps its global dim), the schedule. Returns {"history":
+    AdamW (nd_model.adamw: a DTensor keeps its global dim), the schedule. Returns {"history":
     [(loss, norm before clipping)], "torch_clip": torch_clip_probe at the first step}."""
-    optimizer = nd.adamw([(p, p.dim()) for p in params], config)
+    optimizer = nd_model.adamw([(p, p.dim()) for p in params], config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
     history, probe = [], None
@@ -250,7 +251,7 @@ def train_with_torch(ctx: RankContext, config, layout, mesh, batches: list[torch
     pp, sent from the last stage."""
     stage_index = mesh["pp"].get_local_rank()
     dp_rank, dp_group, pp_group = mesh["dp"].get_local_rank(), mesh.get_group("dp"), mesh.get_group("pp")
-    module = GPTStage(nd.build_gpt(config, dtype), stage_index, layout.pp).to(ctx.device)
+    module = GPTStage(nd_model.build_gpt(config, dtype), stage_index, layout.pp).to(ctx.device)
     if layout.tp > 1:
         tensor_parallel_stage(module, mesh["tp"], divide_heads=mistake != "heads-not-divided")
     if layout.dp > 1:
@@ -301,7 +302,7 @@ def train_context_parallel(ctx: RankContext, config, layout, mesh, batches: list
     from torch.distributed.tensor.experimental import context_parallel
 
     cp_mesh, cp_group = mesh["cp"], mesh.get_group("cp")
-    module = GPTStage(nd.build_gpt(config, dtype), sdpa=True).to(ctx.device)
+    module = GPTStage(nd_model.build_gpt(config, dtype), sdpa=True).to(ctx.device)
 
     def forward_backward(windows: torch.Tensor) -> torch.Tensor:
         windows = windows.to(ctx.device)
@@ -416,12 +417,12 @@ def table(layouts, results: dict[str, list[dict]], reference: list[tuple[float, 
 
 def compare_with_torch(layouts, config=None, device: str = "cpu", dtype: torch.dtype = torch.float64,
                        steps: int | None = None, timeout_s: float = 120.0) -> list[dict]:
-    """Per layout, torch's engines and our NDTrainer against nd.train_one_process (float64, on
+    """Per layout, torch's engines and our NDTrainer against nd_model.train_one_process (float64, on
     the CPU) on the same batches: `table`'s rows. device "cuda": NCCL ranks, one GPU each
     (float64 runs on GPUs; cp needs float32 or bf16 for a CUDA attention kernel)."""
-    config = config or nd.GPTConfig()
+    config = config or nd_model.GPTConfig()
     batches = batches_for(config, steps or config.steps)
-    reference, _ = nd.train_one_process(config, batches)
+    reference, _ = nd_model.train_one_process(config, batches)
     return table(layouts, run_layouts(layouts, config, batches, device, dtype, timeout_s=timeout_s),
                  reference)
 

@@ -26,6 +26,8 @@ import torch
 from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
 nd = importlib.import_module("lessons.13_capstone.nd")  # the technique
+nd_model = importlib.import_module("lessons.13_capstone.nd_model")
+nd_placement = importlib.import_module("lessons.13_capstone.nd_placement")
 nd_checks = importlib.import_module("lessons.13_capstone.nd_checks")  # the harness
 tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")
@@ -33,7 +35,7 @@ C = importlib.import_module("lessons.13_capstone.checks")  # the capstone's CLI
 MAIN = Path(nd.__file__).with_name("main.py")
 
 TOLERANCE = {"loss": 1e-12, "norm": 1e-12, "params": 1e-9}
-CONFIG = nd.GPTConfig(steps=4)
+CONFIG = nd_model.GPTConfig(steps=4)
 LAYOUTS = {"dp2": nd.Layout(dp=2), "tp2": nd.Layout(tp=2), "pp2": nd.Layout(pp=2),
            "cp2": nd.Layout(cp=2), "dp2xtp2": nd.Layout(dp=2, tp=2), "tp2xpp2": nd.Layout(tp=2, pp=2),
            "dp2xpp2xcp2": nd.Layout(dp=2, pp=2, cp=2)}
@@ -51,7 +53,7 @@ class Runs:
         if not cls.results:
             cls.scratch = Path(tempfile.mkdtemp(prefix="capstone-nd-"))
             cls.batches = nd_checks.random_batches(CONFIG, CONFIG.steps)
-            cls.reference, cls.model = nd.train_one_process(CONFIG, cls.batches)
+            cls.reference, cls.model = nd_model.train_one_process(CONFIG, cls.batches)
             for name, layout in LAYOUTS.items():
                 ckpt = cls.scratch / name if name in SAVED else None
                 dcp_dir = cls.scratch / "dcp" if name == SAVED[0] else None  # the end, as DCP saves it
@@ -122,29 +124,31 @@ class TestEveryLayoutIsOneProcess(unittest.TestCase):
 class TestPlacements(unittest.TestCase):
     def test_cut_gives_lesson_04s_shards(self):
         torch.manual_seed(0)
-        block = nd.Block(16, 4).double()
+        block = nd_model.Block(16, 4).double()
         qkv = torch.cat([block.q.weight, block.k.weight, block.v.weight]).detach()
         for rank in range(2):
             tp = tensor_parallel.TensorParallelGroup(rank, 2)
             split = tensor_parallel.ColumnParallelLinear([block.q, block.k, block.v], tp)
             row = tensor_parallel.RowParallelLinear(block.o, tp)
-            self.assertTrue(torch.equal(nd.cut(qkv, nd.Placement("qkv", (48, 16), 0, 3), rank, 2),
-                                        split.weight.detach()))
-            self.assertTrue(torch.equal(nd.cut(block.o.weight.detach(), nd.Placement("o", (16, 16), 1),
-                                               rank, 2), row.weight.detach()))
+            Placement = nd_placement.Placement
+            fused, rows = Placement("qkv", (48, 16), 0, 3), Placement("o", (16, 16), 1)
+            self.assertTrue(torch.equal(nd_placement.cut(qkv, fused, rank, 2), split.weight.detach()))
+            self.assertTrue(torch.equal(nd_placement.cut(block.o.weight.detach(), rows, rank, 2),
+                                        row.weight.detach()))
 
     def test_join_inverts_cut(self):
         full = torch.arange(24.0).view(6, 4)
-        for placement in (nd.Placement("a", (6, 4), 0, 3), nd.Placement("b", (6, 4), 1, 1),
-                          nd.Placement("c", (6, 4), None)):
+        Placement = nd_placement.Placement
+        for placement in (Placement("a", (6, 4), 0, 3), Placement("b", (6, 4), 1, 1),
+                          Placement("c", (6, 4), None)):
             for size in (1, 2):
-                pieces = [nd.cut(full, placement, r, size) for r in range(size)]
-                self.assertTrue(torch.equal(nd.join(pieces, placement), full), (placement, size))
+                pieces = [nd_placement.cut(full, placement, r, size) for r in range(size)]
+                self.assertTrue(torch.equal(nd_placement.join(pieces, placement), full), (placement, size))
 
     def test_the_shards_join_into_the_global_tensors_each_element_once(self):
         results = Runs.get()["dp2xtp2"]
         counted = sum(t["params"].numel() for r in results for t in r["state"]["tensors"].values())
-        self.assertEqual(counted, sum(t.numel() for t in nd.global_state(Runs.model).values()))
+        self.assertEqual(counted, sum(t.numel() for t in nd_model.global_state(Runs.model).values()))
 
 
 class TestResumeInAnotherLayout(unittest.TestCase):
@@ -187,10 +191,10 @@ class TestResumeInAnotherLayout(unittest.TestCase):
         states = [dict(r["state"], tensors=dict(r["state"]["tensors"])) for r in Runs.get()["dp2xtp2"]]
         del states[3]["tensors"]["blocks.0.qkv.weight"]  # tp rank 1's second dp slice
         with self.assertRaisesRegex(checkpointing.CheckpointError, r"blocks\.0\.qkv\.weight: tp rank 1"):
-            nd.assemble(states)
+            nd_placement.assemble(states)
 
     def test_another_model_is_refused_before_any_tensor_is_used(self):
-        other = nd.GPTConfig(hidden=48, heads=4)
+        other = nd_model.GPTConfig(hidden=48, heads=4)
         with self.assertRaisesRegex(Exception, "fingerprint"):
             nd_checks.run_layout(other, nd.Layout(dp=2), Runs.batches[:3], "cpu",
                                  ckpt_dir=Runs.scratch / "pp2", resume=True)

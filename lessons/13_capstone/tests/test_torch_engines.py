@@ -14,6 +14,7 @@ import torch
 
 T = importlib.import_module("lessons.13_capstone.torch_engines")
 nd = importlib.import_module("lessons.13_capstone.nd")
+nd_model = importlib.import_module("lessons.13_capstone.nd_model")
 
 # float64 on the CPU: the runs differ from one process only in the order of sums (the dp mean,
 # the tp all-reduce, micro-batch accumulation, the norm's reduction), a few ulps per sum over 4
@@ -39,11 +40,11 @@ def close(a: float, b: float) -> bool:
 
 
 class TestGPTStage(unittest.TestCase):
-    """The hand-cut stages and the SDPA attention, in this process: the same function as nd.GPT."""
+    """The hand-cut stages and the SDPA attention, in this process: the same function as nd_model.GPT."""
 
     def setUp(self):
-        self.config = nd.GPTConfig()
-        self.gpt = nd.build_gpt(self.config, torch.float64)
+        self.config = nd_model.GPTConfig()
+        self.gpt = nd_model.build_gpt(self.config, torch.float64)
         self.tokens = T.batches_for(self.config, 1)[0][:, :-1]
 
     def test_stages_compose_to_the_model(self):
@@ -76,9 +77,9 @@ class TestGPTStage(unittest.TestCase):
 class TestTorchEngines(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cls.config = nd.GPTConfig()
+        cls.config = nd_model.GPTConfig()
         cls.batches = T.batches_for(cls.config, 3)
-        cls.reference, _ = nd.train_one_process(cls.config, cls.batches)
+        cls.reference, _ = nd_model.train_one_process(cls.config, cls.batches)
         cls.layouts = [nd.Layout(dp=2), nd.Layout(tp=2), nd.Layout(pp=2), nd.Layout(cp=2),
                        nd.Layout(dp=2, tp=2)]
         cls.results = T.run_layouts(cls.layouts, cls.config, cls.batches, device="cpu",
