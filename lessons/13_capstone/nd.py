@@ -24,7 +24,8 @@ imported from its lesson, on one DeviceMesh whose four dimensions are nested lik
 
 Simplified against Megatron-LM and torchtitan: the vocabulary is not split over tp (every tp
 rank holds both tables and the head), no dropout (with TP it needs per-region RNG streams),
-one model chunk per stage, ZeRO-1 only, and point-to-point rings rather than fused kernels.
+one model chunk per stage, ZeRO-1 only, fp32 on GPUs (no autocast), and point-to-point rings
+rather than fused kernels.
 """
 
 from __future__ import annotations
@@ -111,10 +112,8 @@ def build_mesh(layout: Layout, device_type: str):
     return init_device_mesh(device_type, layout.sizes(), mesh_dim_names=DIMS)
 
 
-# ============================================================================ 2. the model: nd_model.py
-
-
 # ============================================================================ 3. one rank's part
+# (2. the model it splits is nd_model.py's GPT)
 
 
 def local_positions(seq: int, layout: Layout, cp_rank: int, tp_rank: int) -> torch.Tensor:
