@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import importlib
 import itertools
+import math
 
 import torch
 
@@ -298,8 +299,17 @@ def memory_per_stage(model: Model, layout: nd.Layout, run: Run) -> list[Memory]:
 @functools.cache
 def link_of(cluster: Cluster, layout: nd.Layout, dim: str) -> str:
     """"nvlink" if every group of `dim` (nd.dimension_groups) lies inside one node, else
-    "network" (a ring runs at its slowest hop)."""
+    "network" (a ring runs at its slowest hop). A group is `size` ranks `stride` apart
+    (stride = the sizes of the dimensions after `dim` in nd.DIMS), spanning size x stride:
+    when that span divides a node every group is inside one; when a node divides it, none
+    is; otherwise the groups are enumerated."""
+    size = getattr(layout, dim)
+    stride = math.prod(getattr(layout, d) for d in nd.DIMS[nd.DIMS.index(dim) + 1:])
     node = cluster.gpus_per_node
+    if size == 1 or node % (size * stride) == 0:
+        return "nvlink"
+    if (size * stride) % node == 0:
+        return "network"
     inside = all(len({rank // node for rank in group}) == 1
                  for group in nd.dimension_groups(layout, dim))
     return "nvlink" if inside else "network"
@@ -502,7 +512,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--plan-micro-batch", type=int_in(1), default=1,
                        help="sequences per micro-batch (default 1)")
     group.add_argument("--plan-precision", choices=sorted(PRECISIONS), default="bf16-mixed")
-    group.add_argument("--plan-gpus", type=int_in(1, 1 << 20), default=64, help="GPUs (default 64)")
+    group.add_argument("--plan-gpus", type=int_in(1, 1 << 16), default=64, help="GPUs (default 64)")
     group.add_argument("--plan-gpus-per-node", type=int_in(1, 1024), default=8)
     group.add_argument("--plan-gpu-memory", type=float_in(1e-3), default=H100_80GB["memory_gb"],
                        help="GB (1e9 bytes) per GPU (default 80: H100 80GB)")

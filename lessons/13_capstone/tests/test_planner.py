@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import unittest
 from unittest import mock
@@ -31,11 +32,28 @@ def config_of(model: P.Model, **run) -> nd.GPTConfig:
                         layers=model.layers, seq=model.seq, **run)
 
 
+@functools.cache
+def gpt_of(model: P.Model) -> nd.GPT:
+    return nd.build_gpt(config_of(model))
+
+
 def real_stage(model: P.Model, layout: nd.Layout, coords: dict) -> nd.Stage:
     """nd.py's own Stage for `coords`, built without process groups (lesson 04's
     TensorParallelGroup with no group only records the rank; nothing communicates here)."""
     tp = tensor_parallel.TensorParallelGroup(coords["tp"], layout.tp)
-    return nd.Stage(nd.build_gpt(config_of(model)), layout, coords, tp, None)
+    return nd.Stage(gpt_of(model), layout, coords, tp, None)
+
+
+@functools.cache
+def stage_builds(model: P.Model, tp: int, pp: int, cp: int, stage: int) -> bool:
+    """Whether nd.Stage builds pipeline stage `stage` of a tp x pp x cp layout. Its checks
+    (layers % pp, heads and widths % tp, the positions) depend on the sizes, not on the tp or
+    cp rank (each rank's positions are checked by nd_accepts), nor on dp."""
+    try:
+        real_stage(model, nd.Layout(tp=tp, pp=pp, cp=cp), {"pp": stage, "dp": 0, "cp": 0, "tp": 0})
+    except ValueError:
+        return False
+    return True
 
 
 def nd_accepts(model: P.Model, run: P.Run, layout: nd.Layout) -> bool:
@@ -45,14 +63,12 @@ def nd_accepts(model: P.Model, run: P.Run, layout: nd.Layout) -> bool:
     if m == 0:
         return False
     windows = torch.zeros(run.global_batch, model.seq + 1, dtype=torch.long)
-    built = set()
     try:
         for rank in range(layout.world):
             coords = layout.coordinates(rank)
             positions = nd.local_positions(model.seq, layout, coords["cp"], coords["tp"])
-            if (coords["pp"], coords["tp"], coords["cp"]) not in built:
-                real_stage(model, layout, coords)
-                built.add((coords["pp"], coords["tp"], coords["cp"]))
+            if not stage_builds(model, layout.tp, layout.pp, layout.cp, coords["pp"]):
+                return False
             micro = nd.rank_batch(windows, layout, coords, m, positions)
             if len(micro) != m or any(x.shape[0] != run.micro_batch for x, _ in micro):
                 return False
@@ -94,17 +110,18 @@ class TestModel(unittest.TestCase):
 
 
 class TestLayouts(unittest.TestCase):
-    CASES = [  # (model, gpus, gpus per node, global batch)
-        (TINY, 8, 4, 8),
-        (P.Model(layers=6, hidden=24, heads=6, vocab=20, seq=12), 6, 6, 6),
-        (P.Model(layers=4, hidden=32, heads=4, vocab=32, seq=20), 8, 8, 6),
+    CASES = [  # (model, gpus, gpus per node, global batch, micro-batch)
+        (TINY, 8, 4, 8, 1),
+        (TINY, 8, 8, 8, 2),
+        (P.Model(layers=6, hidden=24, heads=6, vocab=20, seq=12), 6, 6, 6, 1),
+        (P.Model(layers=4, hidden=32, heads=4, vocab=32, seq=20), 8, 8, 6, 1),
     ]
 
     def test_enumeration_is_what_nd_accepts_inside_a_node(self):
         refused = {"nd": 0, "node": 0}
-        for model, gpus, per_node, batch in self.CASES:
+        for model, gpus, per_node, batch, micro in self.CASES:
             cluster = dataclasses.replace(H100, gpus=gpus, gpus_per_node=per_node)
-            run = P.Run(global_batch=batch)
+            run = P.Run(global_batch=batch, micro_batch=micro)
             listed = set(P.enumerate_layouts(model, cluster, run))
             for layout in P.all_layouts(gpus):
                 in_node = per_node % (layout.tp * layout.cp) == 0
@@ -116,8 +133,9 @@ class TestLayouts(unittest.TestCase):
         self.assertGreater(refused["node"], 0)
 
     def test_every_layout_multiplies_to_the_gpus(self):
-        layouts = P.all_layouts(12)
-        self.assertEqual(len(layouts), len(set(layouts)))
+        layouts = P.all_layouts(12)  # 12 = 2^2 x 3: C(2+3, 3) x C(1+3, 3) = 40 ordered 4-factorizations
+        self.assertEqual(len(set(layouts)), len(layouts))
+        self.assertEqual(len(layouts), 40)
         self.assertTrue(all(layout.world == 12 for layout in layouts))
         self.assertIn(nd.Layout(dp=3, tp=2, pp=2), layouts)
 
@@ -148,6 +166,15 @@ class TestLayouts(unittest.TestCase):
         self.assertEqual([P.link_of(eight, layout, dim) for dim in ("tp", "cp", "dp", "pp")],
                          ["nvlink", "nvlink", "nvlink", "network"])
         self.assertEqual(P.link_of(eight, nd.Layout(dp=4, tp=4), "dp"), "network")
+        for gpus, node in ((16, 8), (16, 4), (12, 6), (12, 4), (24, 6), (8, 3)):
+            cluster = dataclasses.replace(H100, gpus=gpus, gpus_per_node=node) if gpus % node == 0 \
+                else dataclasses.replace(H100, gpus=gpus, gpus_per_node=gpus)
+            for layout in P.all_layouts(gpus):
+                for dim in nd.DIMS:
+                    groups = nd.dimension_groups(layout, dim)
+                    inside = all(len({r // cluster.gpus_per_node for r in g}) == 1 for g in groups)
+                    self.assertEqual(P.link_of(cluster, layout, dim), "nvlink" if inside else "network",
+                                     (cluster.gpus_per_node, layout, dim))
 
 
 class TestFormulas(unittest.TestCase):
