@@ -30,7 +30,7 @@ from lessons._launch import RankContext, inject_fault, is_reporting_rank, launch
 from lessons._report import Check, Report, check_args, finish, float_in, int_in, lesson_parser
 
 from . import main as capstone
-from . import nd, nd_checks
+from . import nd, nd_checks, planner_checks
 
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # lesson 06's technique
 
@@ -208,8 +208,15 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--sample-chars", type=int_in(0, 100000), default=200)
     parser.add_argument("--no-resume-check", action="store_true",
                         help="skip the demo's check that resuming from the middle is bit-exact")
+    planner_checks.add_plan_arguments(parser)
     args = parser.parse_args(argv)
     check_args(parser, args)
+    if args.plan:  # the planner prints and exits: no run to check
+        try:
+            args.plan_text = planner_checks.plan_from_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return args
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     args.layout = layout_from(parser, args)
@@ -294,6 +301,9 @@ def why_no_resume_check(args, device_name: str, ckpt: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
+    if args.plan:
+        print(args.plan_text)
+        return 0
     config = config_from(args)
     scratch = Path(tempfile.mkdtemp(prefix="capstone-"))
     out = args.out if args.out is not None else scratch / "out"

@@ -6,35 +6,41 @@ layouts the CPU can run (float64, gloo: the suite never touches a GPU)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import importlib
+import io
 import unittest
 from unittest import mock
 
 import torch
 
+from lessons._testing import assert_argument_error
+
 P = importlib.import_module("lessons.13_capstone.planner")
+PC = importlib.import_module("lessons.13_capstone.planner_checks")  # the CLI hook, the measured check
 nd = importlib.import_module("lessons.13_capstone.nd")
+nd_model = importlib.import_module("lessons.13_capstone.nd_model")
 zero = importlib.import_module("lessons.03_zero.main")
 tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")
 pipeline = importlib.import_module("lessons.05_pipeline.main")
 memory = importlib.import_module("lessons.07_memory.main")
 context_parallel = importlib.import_module("lessons.11_context_parallel.main")
 
-TINY = P.Model.of(nd.GPTConfig())
+TINY = P.Model.of(nd_model.GPTConfig())
 H100 = P.Cluster(gpus=64, gpus_per_node=8, memory_bytes=80e9, intra_bandwidth=450e9,
                  inter_bandwidth=50e9, peak_flops=989e12)
 
 
-def config_of(model: P.Model, **run) -> nd.GPTConfig:
-    return nd.GPTConfig(vocab=model.vocab, hidden=model.hidden, heads=model.heads,
+def config_of(model: P.Model, **run) -> nd_model.GPTConfig:
+    return nd_model.GPTConfig(vocab=model.vocab, hidden=model.hidden, heads=model.heads,
                         layers=model.layers, seq=model.seq, **run)
 
 
 @functools.cache
-def gpt_of(model: P.Model) -> nd.GPT:
-    return nd.build_gpt(config_of(model))
+def gpt_of(model: P.Model) -> nd_model.GPT:
+    return nd_model.build_gpt(config_of(model))
 
 
 def real_stage(model: P.Model, layout: nd.Layout, coords: dict) -> nd.Stage:
@@ -79,9 +85,10 @@ def nd_accepts(model: P.Model, run: P.Run, layout: nd.Layout) -> bool:
 
 class TestModel(unittest.TestCase):
     def test_parameter_count_equals_nd_gpt(self):
-        for config in (nd.GPTConfig(), nd.GPTConfig(vocab=50, hidden=24, heads=3, layers=2, seq=12),
-                       nd.GPTConfig(vocab=7, hidden=16, heads=1, layers=1, seq=5)):
-            gpt = nd.build_gpt(config)
+        Config = nd_model.GPTConfig
+        for config in (Config(), Config(vocab=50, hidden=24, heads=3, layers=2, seq=12),
+                       Config(vocab=7, hidden=16, heads=1, layers=1, seq=5)):
+            gpt = nd_model.build_gpt(config)
             model = P.Model.of(config)
             self.assertEqual(model.parameters(), sum(p.numel() for p in gpt.parameters()), config)
             tied = memory.gpt_param_count(config.layers, config.hidden, config.vocab, config.seq)
@@ -306,17 +313,17 @@ class TestRanking(unittest.TestCase):
 class TestCli(unittest.TestCase):
     def parse(self, *argv: str) -> argparse.Namespace:
         parser = argparse.ArgumentParser()
-        P.add_plan_arguments(parser)
+        PC.add_plan_arguments(parser)
         return parser.parse_args(["--plan", *argv])
 
     def test_defaults_print_the_worked_example(self):
-        text = P.plan_from_args(self.parse("--plan-top", "3"))
+        text = PC.plan_from_args(self.parse("--plan-top", "3"))
         self.assertIn("7.53 B parameters", text)
         self.assertRegex(text, r"\n\s+1  dp64 ")
         self.assertEqual(len([line for line in text.splitlines() if line[:3].strip().isdigit()]), 3)
 
     def test_overrides(self):
-        model, cluster, run = P.plan_inputs(self.parse(
+        model, cluster, run = PC.plan_inputs(self.parse(
             "--plan-model", "tiny", "--plan-layers", "8", "--plan-gpus", "16", "--plan-gpu-memory", "24",
             "--plan-precision", "fp32", "--plan-batch", "32", "--plan-seq", "64"))
         self.assertEqual((model.layers, model.hidden, model.seq), (8, 32, 64))
@@ -325,13 +332,22 @@ class TestCli(unittest.TestCase):
 
     def test_bad_values(self):
         with self.assertRaisesRegex(ValueError, "hidden 4096 is not divisible by heads 7"):
-            P.plan_from_args(self.parse("--plan-heads", "7"))
+            PC.plan_from_args(self.parse("--plan-heads", "7"))
         with self.assertRaisesRegex(ValueError, "12 GPUs do not fill whole nodes of 8"):
-            P.plan_from_args(self.parse("--plan-gpus", "12"))
+            PC.plan_from_args(self.parse("--plan-gpus", "12"))
         for argv in (["--plan-gpus", "0"], ["--plan-mfu", "1.5"], ["--plan-precision", "fp8"]):
             with self.assertRaises(SystemExit) as exit_, mock.patch("sys.stderr"):
                 self.parse(*argv)
             self.assertEqual(exit_.exception.code, 2)
+
+    def test_the_capstone_cli_prints_the_plan_and_refuses_bad_values(self):
+        checks = importlib.import_module("lessons.13_capstone.checks")
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(checks.main(["--plan", "--plan-top", "2"]), 0)
+        self.assertRegex(out.getvalue(), r"\n\s+1  dp64 ")
+        assert_argument_error(self, checks.parse_args, ["--plan", "--plan-heads", "7"],
+                              "hidden 4096 is not divisible by heads 7")
 
 
 class TestMeasuredCheck(unittest.TestCase):
@@ -342,7 +358,7 @@ class TestMeasuredCheck(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.rows = P.check_layouts(cls.LAYOUTS)
+        cls.rows = PC.check_layouts(cls.LAYOUTS)
 
     def test_every_rank_was_measured(self):
         self.assertEqual(len(self.rows), sum(layout.world for layout in self.LAYOUTS))
@@ -352,7 +368,7 @@ class TestMeasuredCheck(unittest.TestCase):
         for row in self.rows:
             self.assertEqual(row["measured"]["states"], row["predicted"]["states"], row["layout"])
         dp2 = next(r for r in self.rows if r["layout"] == nd.Layout(dp=2))
-        run, model = P.check_run(nd.GPTConfig(), nd.Layout(dp=2)), TINY
+        run, model = PC.check_run(nd_model.GPTConfig(), nd.Layout(dp=2)), TINY
         not_sharded = P.model_state_bytes(model, nd.Layout(), run, 0)  # planted: ZeRO forgotten
         self.assertNotEqual(dp2["measured"]["states"], not_sharded)
 
@@ -360,7 +376,7 @@ class TestMeasuredCheck(unittest.TestCase):
         for row in self.rows:
             self.assertEqual(row["measured"]["activation"], row["predicted"]["activation"], row["layout"])
         row = self.rows[0]  # planted: lesson 04's count as is (softmax and mask, no ring terms)
-        run = P.check_run(nd.GPTConfig(), row["layout"])
+        run = PC.check_run(nd_model.GPTConfig(), row["layout"])
         as_is = tensor_parallel.saved_activation_bytes(16, run.micro_batch, 32, 4, 1, 8, True)
         self.assertNotEqual(P.block_activation_bytes(TINY, row["layout"], run), as_is)
 
