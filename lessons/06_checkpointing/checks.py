@@ -31,6 +31,7 @@ from lessons._checks import max_abs_diff
 from lessons._launch import RankContext, choose_device, inject_fault, launch, one_thread, under_torchrun
 from lessons._report import Check, Report, check_args, finish, float_in, int_in, lesson_parser
 
+from . import atomic_file, exact_resume
 from . import main as checkpointing
 from .trainer import TrainConfig, data_parallel, reference_params, resume_unsharded, run_training
 
@@ -58,8 +59,9 @@ class SimulatedCrash(RuntimeError):
 
 
 class _OsRenameCrash:
-    """`os` as main.py sees it, except that os.replace onto a file named `target` raises: the
-    process 'dies' after the temporary file is written and fsynced, before the rename."""
+    """`os` as atomic_file.py sees it, except that os.replace onto a file named `target`
+    raises: the process 'dies' after the temporary file is written and fsynced, before the
+    rename."""
 
     def __init__(self, target: str):
         self.target = target
@@ -92,13 +94,13 @@ def crash_at(point: str):
     crash = SimulatedCrash(point)
     return {
         "shard written, before its rename": lambda: mock.patch.object(
-            checkpointing, "os", _OsRenameCrash(shard)),
+            atomic_file, "os", _OsRenameCrash(shard)),
         "shard in place, before the manifest": lambda: _fail_before_writing(MANIFEST, crash),
         "manifest written, before its rename": lambda: mock.patch.object(
-            checkpointing, "os", _OsRenameCrash(MANIFEST)),
+            atomic_file, "os", _OsRenameCrash(MANIFEST)),
         "manifest committed, before latest moves": lambda: _fail_before_writing(LATEST, crash),
         "latest written, before its rename": lambda: mock.patch.object(
-            checkpointing, "os", _OsRenameCrash(LATEST)),
+            atomic_file, "os", _OsRenameCrash(LATEST)),
         "latest moved, before rotation": lambda: mock.patch.object(
             checkpointing, "rotate", mock.Mock(side_effect=crash)),
     }[point]()
@@ -282,7 +284,7 @@ def empty_export_check(scratch: Path, config: TrainConfig, live: dict[str, torch
     from safetensors.torch import load_file
     path = metadata_only_export(scratch / "empty.safetensors", config)
     naive = path.stat().st_size > 0 and isinstance(load_file(path), dict)
-    message = _refusal(checkpointing.verify_export, live, path)
+    message = _refusal(atomic_file.verify_export, live, path)
     return Check("a metadata-only export (the 200-byte file) loads, and is caught",
                  naive and "holds no tensors" in message, message[:110])
 
@@ -298,7 +300,7 @@ def lr_of_first_resumed_step(restore_lr: bool, steps: int = 10, saved_at: int = 
         param = torch.nn.Parameter(torch.zeros(1))
         optimizer = torch.optim.SGD([param], lr=0.1)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(
-            optimizer, checkpointing.cosine_with_warmup(3, steps))
+            optimizer, exact_resume.cosine_with_warmup(3, steps))
     optimizer, scheduler = build()
     lrs = []
     for _ in range(steps):
@@ -317,7 +319,7 @@ def lr_of_first_resumed_step(restore_lr: bool, steps: int = 10, saved_at: int = 
 def lr_checks() -> list[Check]:
     """nanotron PR 245's bug: the scheduler's state_dict alone leaves the first resumed step at
     the initial LR (one step, not a restarted warmup); with the saved LR it is exact."""
-    initial = 0.1 * checkpointing.cosine_with_warmup(3, 10)(0)
+    initial = 0.1 * exact_resume.cosine_with_warmup(3, 10)(0)
     wrong, expected = lr_of_first_resumed_step(restore_lr=False)
     right, _ = lr_of_first_resumed_step(restore_lr=True)
     return [Check("scheduler state alone: the first resumed step runs at the initial LR "
@@ -341,7 +343,7 @@ def scaler_run(dtype: torch.dtype, spikes: dict[int, float], growth_interval: in
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0**16,
                                   growth_interval=growth_interval)
-    cursor = checkpointing.DataCursor(16 * steps, 16, seed=1)
+    cursor = exact_resume.DataCursor(16 * steps, 16, seed=1)
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(16 * steps, 16, generator=generator).to(device)
     targets = torch.randn(16 * steps, 4, generator=generator).to(device)
@@ -349,7 +351,7 @@ def scaler_run(dtype: torch.dtype, spikes: dict[int, float], growth_interval: in
     if resume is not None:
         with torch.no_grad():
             weight.copy_(resume["weight"])
-        step = checkpointing.restore_exact_resume_state(
+        step = exact_resume.restore_exact_resume_state(
             resume["state"], optimizer, scheduler, scaler if restore_scaler else None, cursor, device)
     while step < steps:
         indices = cursor.next_indices().to(device)
@@ -365,7 +367,7 @@ def scaler_run(dtype: torch.dtype, spikes: dict[int, float], growth_interval: in
         scheduler.step()
         step += 1
         if step == save_at:
-            saved = {"weight": weight.detach().clone(), "state": checkpointing.exact_resume_state(
+            saved = {"weight": weight.detach().clone(), "state": exact_resume.exact_resume_state(
                 step, optimizer, scheduler, scaler, cursor, device)}
     return weight.detach().cpu(), saved, skipped
 
@@ -404,7 +406,7 @@ def scaler_checks(device: str = "cpu") -> list[Check]:
 
 def interval_check() -> Check:
     """Our daly_interval against the optima Daly (2006) reports in his Figs. 3-5."""
-    ours = [checkpointing.daly_interval(c, m) for c, m, _, _ in DALY_EXAMPLES]
+    ours = [exact_resume.daly_interval(c, m) for c, m, _, _ in DALY_EXAMPLES]
     ok = all(abs(got - want) <= half_unit for got, (_, _, want, half_unit) in zip(ours, DALY_EXAMPLES))
     return Check("Daly's interval formula reproduces his published optima (117, 57, 9.1 min)", ok,
                  ", ".join(f"{got:.2f}" for got in ours) + " min (save cost 5 min; MTBF 24 h, 6 h, 15 min)")
@@ -719,11 +721,11 @@ def demo(args, config: TrainConfig) -> Report:
     metrics = {"final_param_sha256": r0["full"], "resumed_from_step": r0["resumed_from"],
                "exported_bytes": r0["exported_bytes"], "reshard_max_diff": gap,
                "save_seconds": save_s, "mtbf_hours": args.mtbf_hours,
-               "young_interval_s": checkpointing.young_interval(save_s, mtbf),
-               "daly_interval_s": checkpointing.daly_interval(save_s, mtbf),
+               "young_interval_s": exact_resume.young_interval(save_s, mtbf),
+               "daly_interval_s": exact_resume.daly_interval(save_s, mtbf),
                "headline": f"resume bit-exact from step {r0['resumed_from']}; "
                            f"{len(SAVE_CRASH_POINTS)} crash points safe; save {save_s * 1e3:.1f} ms "
-                           f"-> checkpoint every {checkpointing.young_interval(save_s, mtbf):.0f} s "
+                           f"-> checkpoint every {exact_resume.young_interval(save_s, mtbf):.0f} s "
                            f"at MTBF {args.mtbf_hours:g} h"}
     return Report(LESSON, device, backend, world, checks, metrics)
 

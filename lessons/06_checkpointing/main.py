@@ -1,30 +1,24 @@
 """Lesson 06: sharded, atomic, verified checkpoints; exact resume; resharding; export.
 
-The protocol, top to bottom (the ZeRO trainer that exercises it is in trainer.py; the damage,
-crash and failure checks, the comparison with torch.distributed.checkpoint and the CLI are in
-checks.py):
+The technique, in reading order (trainer.py is the ZeRO trainer that exercises it; checks.py
+holds the damage, crash and failure checks, the comparison with DCP and the CLI):
 
-1. One file, atomically: temp file in the same directory, fsync, os.replace, fsync the directory.
-2. Many files, atomically: every rank writes its shard that way; rank 0 then writes the
-   manifest (each file's size and sha256: the step can now verify itself), then moves `latest`
-   (the run's commit point), then rotates old checkpoints away. A write that fails on any rank
-   commits nothing, and every rank hears of it.
-3. Verified load: `latest`, the manifest and every byte are checked before anything is used.
-4. Resharding: N saved slices of a tensor become M slices (lesson 03's `shard_bounds`).
-5. Export: safetensors, written from the live model and verified by size and round trip.
-6. Exact resume: besides weights and optimizer, the LR the schedule last wrote, the gradient
-   scaler, the data cursor and this rank's RNG states. How often to save: Young / Daly.
+atomic_file.py   1. One file, atomically: temp file in the same directory, fsync, os.replace,
+                 fsync the directory. 2. The export: safetensors from the live model, proven.
+main.py          3. Many files, atomically: each rank writes its shard that way; rank 0 then
+                 writes the manifest (each file's size and sha256: the step verifies itself),
+                 moves `latest` (the run's commit point) and rotates; a write that fails on any
+                 rank commits nothing, on every rank. 4. Verified load: `latest`, the manifest
+                 and every byte are checked before anything is used.
+exact_resume.py  5. Exact resume: data cursor, the LR the schedule last wrote, gradient scaler,
+                 RNG states. 6. Resharding N saved slices into M. 7. How often to save.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import io
 import json
-import math
-import os
-import random
 import re
 import shutil
 import sys
@@ -37,7 +31,14 @@ if __package__ in (None, ""):  # run as a script: make the `lessons` package imp
 import torch
 import torch.distributed as dist
 
-zero = importlib.import_module("lessons.03_zero.main")  # lesson 03's technique: shard_bounds
+atomic_file = importlib.import_module("lessons.06_checkpointing.atomic_file")  # parts 1-2
+exact_resume = importlib.import_module("lessons.06_checkpointing.exact_resume")  # parts 5-7
+# Part 1 as the protocol below uses it, and the names later lessons import from here:
+CheckpointError, atomic_write_bytes, sha256_hex = (
+    atomic_file.CheckpointError, atomic_file.atomic_write_bytes, atomic_file.sha256_hex)
+export_safetensors, verify_export = atomic_file.export_safetensors, atomic_file.verify_export
+cosine_with_warmup, rng_state, set_rng_state = (
+    exact_resume.cosine_with_warmup, exact_resume.rng_state, exact_resume.set_rng_state)
 
 FORMAT_VERSION = 1
 MANIFEST, LATEST = "manifest.json", "latest"
@@ -45,54 +46,7 @@ SHARD_NAME = re.compile(r"^shard-(\d{5})-of-(\d{5})\.pt$")
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used or was not saved. The message starts with the path."""
-
-
-# ============================================================================ 1. one file, atomically
-
-
-# exercise atomic-write (2 points): One file, atomically: temp file, fsync, os.replace, fsync the directory
-# hint: the order is everything: write, flush, os.fsync(handle.fileno()), os.replace, then
-#   fsync_directory(path.parent). A rename before the fsync can publish an empty file.
-def fsync_directory(path: Path) -> None:
-    """fsync a directory: a new name or a rename in it is a change to the directory itself and
-    needs its own fsync to survive a power loss (fsync(2)). Open it read-only with `os.open`,
-    `os.fsync` the descriptor, and close it even if the fsync raises. Returns None."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# exercise atomic-write (continued)
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Replace `path` by `data` so that every reader, after any crash, sees the old file or the
-    new one, never a part of either.
-
-    Steps: write a temporary file in the SAME directory (same filesystem, so the rename is
-    atomic), named `.{path.name}.tmp-{os.getpid()}-{threading.get_ident()}` (unique per process
-    and thread: asynchronous saves write from threads); flush and `os.fsync` it (the bytes are
-    on disk); `os.replace` it over `path` (the atomic switch); `fsync_directory(path.parent)`
-    (the new name is on disk). The calls go through this module's `os` (the tests watch them).
-    Cost: len(data) bytes written, two fsyncs. A crash before os.replace leaves the old `path`
-    and the stray temp file; nothing is returned, and no temp file is left after success.
-    """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_directory(path.parent)
-
-
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-# ============================================================================ 2. many files, atomically
+# ============================================================================ 3. many files, atomically
 
 
 def shard_name(rank: int, world: int) -> str:
@@ -187,19 +141,14 @@ def discard_newer_than(ckpt_dir: Path, step: int) -> list[str]:
 
 class Checkpointer:
     """Saves a trainer every `save_every` steps into `ckpt_dir` (one directory that every rank
-    sees), synchronously or in the background.
-
-    The trainer is any object with `.step`, `.config.fingerprint()` and `.shard_state()` (this
-    rank's picklable state); the process group must be initialised. `save`: rank 0 creates
-    step-N/, every rank serialises its state (the snapshot) and writes its shard, then
-    `_commit_everywhere` all-gathers each rank's entry and rank 0 commits. With `async_save`
-    the write runs in a thread while training goes on, and `wait()` (before the next save and
-    at exit) commits it: the commit needs every rank, so it stays on the main thread.
-
-    A save that fails on ANY rank (the write or the commit raises) commits nothing: `latest`
-    and every older checkpoint stay as they were (rotation runs only after a commit), and
-    every rank raises the same CheckpointError naming the failing rank.
-    """
+    sees), synchronously or in the background. The trainer is any object with `.step`,
+    `.config.fingerprint()` and `.shard_state()` (this rank's picklable state); the process
+    group must be initialised. `save`: rank 0 creates step-N/, every rank serialises its state
+    (the snapshot) and writes its shard, then `_commit_everywhere` decides, on every rank. With
+    `async_save` the write runs in a thread while training goes on, and `wait()` (before the
+    next save and at exit) commits it: the commit needs every rank, so it stays on the main
+    thread. A save that fails on ANY rank commits nothing (`latest` and every older checkpoint
+    stay as they were) and raises the same CheckpointError on every rank."""
 
     def __init__(self, ckpt_dir: Path, keep: int, save_every: int, async_save: bool = False):
         if keep < 1:
@@ -276,7 +225,7 @@ class Checkpointer:
                                   "are untouched")
 
 
-# ============================================================================ 3. verified load
+# ============================================================================ 4. verified load
 
 
 # exercise verified-load (4 points): Verified load: prove every byte before anything is used
@@ -400,184 +349,6 @@ def load_latest(ckpt_dir: Path, world: int | None, reshard: bool,
         except Exception as exc:  # a valid hash of an unreadable payload: say which file
             raise CheckpointError(f"{path}: cannot be deserialised ({exc})") from None
     return manifest, shards
-
-
-# ============================================================================ 4. resharding
-
-
-def reshard(slices: list[torch.Tensor], world: int, rank: int) -> torch.Tensor:
-    """N saved slices of one flattened tensor (rank order, lesson 03's near-equal chunks) ->
-    this rank's slice of an M-way split: cat, then `zero.shard_bounds(numel, M, rank)`. Valid
-    for parameters and Adam's moments, which are element-wise. Cost: one full tensor in memory."""
-    full = torch.cat([s.reshape(-1) for s in slices])
-    start, end = zero.shard_bounds(full.numel(), world, rank)
-    return full[start:end].clone()
-
-
-# ============================================================================ 5. export
-
-
-def safetensors_file_bytes(header_bytes: int, tensor_bytes: int) -> int:
-    """Size of a safetensors file: 8-byte little-endian header length + JSON header + data."""
-    return 8 + header_bytes + tensor_bytes
-
-
-def export_safetensors(named_tensors: dict[str, torch.Tensor], path: Path) -> int:
-    """Write the LIVE weights (CPU copies) with safetensors, atomically, then `verify_export`.
-    Returns the file's bytes. An empty map is refused: that is how 25 hours became 200 bytes."""
-    from safetensors.torch import save
-    if not named_tensors:
-        raise CheckpointError(f"{path}: refusing to export an empty set of weights")
-    tensors = {name: t.detach().contiguous().cpu() for name, t in named_tensors.items()}
-    data = save(tensors)
-    atomic_write_bytes(path, data)
-    verify_export(tensors, path)
-    return len(data)
-
-
-def verify_export(expected: dict[str, torch.Tensor], path: Path) -> None:
-    """Check an exported file against the live tensors: it holds tensors at all (a
-    metadata-only file is valid safetensors and loads without error), its size is
-    8 + header + sum of the tensors' bytes, its names are the expected ones, and every tensor
-    round-trips bit for bit. Raises CheckpointError naming the file."""
-    from safetensors.torch import load
-    data = path.read_bytes()
-    if len(data) < 8:
-        raise CheckpointError(f"{path}: {len(data)} bytes is not a safetensors file")
-    header = int.from_bytes(data[:8], "little")
-    try:
-        names = [k for k in json.loads(data[8:8 + header]) if k != "__metadata__"]
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise CheckpointError(f"{path}: the header is not valid JSON") from None
-    if not names:
-        raise CheckpointError(f"{path}: holds no tensors ({len(data)} bytes of header and "
-                              f"metadata only), expected {len(expected)}")
-    payload = sum(t.numel() * t.element_size() for t in expected.values())
-    if len(data) != safetensors_file_bytes(header, payload):
-        raise CheckpointError(f"{path}: {len(data)} bytes, expected 8 + {header} + {payload} "
-                              f"for {len(expected)} tensors")
-    loaded = load(data)
-    if set(loaded) != set(expected):
-        raise CheckpointError(f"{path}: holds {sorted(loaded)[:5]}, expected {sorted(expected)[:5]}")
-    for name, tensor in expected.items():
-        if not torch.equal(loaded[name], tensor.detach().cpu()):
-            raise CheckpointError(f"{path}: tensor {name!r} differs from the live model")
-
-
-# ============================================================================ 6. exact resume
-
-
-class DataCursor:
-    """Walks a dataset of `dataset` examples in a new order every epoch (randperm from a
-    generator seeded by (seed, epoch)), `batch` indices at a time. State: (epoch, position)."""
-
-    def __init__(self, dataset: int, batch: int, seed: int):
-        if dataset % batch:
-            raise ValueError(f"dataset {dataset} is not a multiple of batch {batch}")
-        self.dataset, self.batch, self.seed = dataset, batch, seed
-        self.epoch, self.position = 0, 0
-
-    def next_indices(self) -> torch.Tensor:
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        order = torch.randperm(self.dataset, generator=generator)
-        indices = order[self.position:self.position + self.batch]
-        self.position += self.batch
-        if self.position == self.dataset:
-            self.epoch, self.position = self.epoch + 1, 0
-        return indices
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-def cosine_with_warmup(warmup: int, total: int):
-    """LR multiplier for LambdaLR: (step + 1) / warmup while step < warmup, then cosine decay
-    0.5 (1 + cos(pi min(1, (step - warmup) / (total - warmup)))) to 0 at `total`."""
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-    return factor
-
-
-# exercise exact-resume (3 points): Exact resume: LR, scheduler, scaler, data cursor and RNG states
-# hint: after scheduler.load_state_dict, write the saved LR into every param group: a fresh
-#   scheduler holds factor(0) x base LR. Restore the RNG states last.
-def rng_state(device: torch.device | str | None = None) -> dict:
-    """This rank's generators: {"python": random.getstate(), "torch": torch.get_rng_state()}
-    and, only when `device` is a CUDA device, "cuda": torch.cuda.get_rng_state(THAT device)
-    (never get_rng_state_all: it would initialise CUDA on every device, make the bytes depend
-    on the machine, and fail to load on a box with fewer GPUs)."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if device is not None and torch.device(device).type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(torch.device(device))
-    return state
-
-
-# exercise exact-resume (continued)
-def set_rng_state(state: dict, device: torch.device | str | None = None) -> None:
-    """Restore what `rng_state(device)` saved (the CUDA generator of `device` when present)."""
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and device is not None and torch.device(device).type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], torch.device(device))
-
-
-# exercise exact-resume (continued)
-def exact_resume_state(step: int, optimizer, scheduler, scaler, cursor: DataCursor,
-                       device: torch.device | str | None = None) -> dict:
-    """The small state exact resume needs besides the weights and the Adam moments: the step;
-    the scheduler's state_dict AND the LR each param group holds now (a scheduler writes the
-    LR after each step; a freshly built one holds factor(0) x base LR, so restoring only its
-    state_dict runs ONE step at the initial LR: nanotron PR 245); the GradScaler's state (scale
-    and growth tracker: they decide which fp16 steps overflow and are skipped), or None; the
-    data cursor; this rank's RNG states. Plain data and CPU tensors: torch.load(weights_only).
-    Returns {"step", "scheduler", "lr" (one float per param group), "scaler", "cursor", "rng"}."""
-    return {"step": step, "scheduler": scheduler.state_dict(),
-            "lr": [group["lr"] for group in optimizer.param_groups],
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "cursor": cursor.state_dict(), "rng": rng_state(device)}
-
-
-# exercise exact-resume (continued)
-def restore_exact_resume_state(state: dict, optimizer, scheduler, scaler, cursor: DataCursor,
-                               device: torch.device | str | None = None,
-                               restore_rng: bool = True) -> int:
-    """Inverse of `exact_resume_state`, in place; returns the step. Restores the scheduler's
-    state_dict, then writes the saved LR into each param group (a different number of groups
-    raises ValueError: zip(..., strict=True)), the scaler (skipped when `scaler` is None), the
-    cursor and, unless `restore_rng=False` (the saved streams belong to another layout, when
-    resharding), this rank's RNG states. Afterwards the next step runs exactly as it would
-    have without the interruption: same LR, same loss scale, same batch, same random draws."""
-    scheduler.load_state_dict(state["scheduler"])
-    for group, lr in zip(optimizer.param_groups, state["lr"], strict=True):
-        group["lr"] = lr
-    if scaler is not None:
-        scaler.load_state_dict(state["scaler"])
-    cursor.load_state_dict(state["cursor"])
-    if restore_rng:
-        set_rng_state(state["rng"], device)
-    return int(state["step"])
-
-
-def young_interval(save_seconds: float, mtbf_seconds: float) -> float:
-    """Young (1974): the compute time between checkpoints that minimises the expected lost
-    time, tau = sqrt(2 C M) for save cost C and mean time between failures M (first order,
-    C << M). The time lost per unit of work is then about C/tau + tau/(2M) = sqrt(2C/M)."""
-    return math.sqrt(2.0 * save_seconds * mtbf_seconds)
-
-
-def daly_interval(save_seconds: float, mtbf_seconds: float) -> float:
-    """Daly (2006), higher-order optimum: tau = sqrt(2CM) [1 + (1/3) sqrt(C/2M) + (1/9) (C/2M)]
-    - C when C < 2M, else tau = M. Close to Young's when C << M."""
-    if save_seconds >= 2.0 * mtbf_seconds:
-        return mtbf_seconds
-    ratio = save_seconds / (2.0 * mtbf_seconds)
-    return young_interval(save_seconds, mtbf_seconds) * (
-        1 + math.sqrt(ratio) / 3 + ratio / 9) - save_seconds
 
 
 if __name__ == "__main__":  # the checks, the report and the CLI: checks.py

@@ -1,4 +1,4 @@
-"""The trainer that lesson 06's protocol (main.py) is exercised with.
+"""The trainer that exercises lesson 06's technique (atomic_file.py, main.py, exact_resume.py).
 
 Lesson 02's MLP trained with lesson 03's ZeRO-1 Adam (so the optimizer state is sharded), a
 warmup + cosine LR schedule, a GradScaler, a data cursor, and per-rank randomness (input noise
@@ -23,10 +23,11 @@ import torch.nn.functional as F
 from lessons._checks import fingerprint, tensor_digest
 from lessons._launch import RankContext
 
+from . import atomic_file, exact_resume
 from . import main as checkpointing
 
 data_parallel = importlib.import_module("lessons.02_data_parallel.main")  # lesson 02's technique
-zero = checkpointing.zero  # lesson 03's technique: ZeroAdam, shard_bounds
+zero = importlib.import_module("lessons.03_zero.main")  # lesson 03's technique: ZeroAdam
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +73,9 @@ class ZeroTrainer:
         self.model = data_parallel.make_model(config.seed).to(self.device)
         self.zero = zero.ZeroAdam(self.model, stage=1, lr=config.lr)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.zero.optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
+            self.zero.optimizer, exact_resume.cosine_with_warmup(config.warmup, config.steps))
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=2.0**10, growth_interval=3)
-        self.cursor = checkpointing.DataCursor(config.dataset, config.batch, config.seed)
+        self.cursor = exact_resume.DataCursor(config.dataset, config.batch, config.seed)
         self.step = 0
         random.seed(config.seed * 7 + rank)
         torch.manual_seed(config.seed * 7 + rank)  # seeds the CPU and every CUDA generator
@@ -111,7 +112,7 @@ class ZeroTrainer:
         return {"rank": self.rank, "world_size": self.world,
                 "fingerprint": self.config.fingerprint(), "params": params, "exp_avg": exp_avg,
                 "exp_avg_sq": exp_avg_sq, "adam_step": adam_step,
-                **checkpointing.exact_resume_state(self.step, self.zero.optimizer, self.scheduler,
+                **exact_resume.exact_resume_state(self.step, self.zero.optimizer, self.scheduler,
                                                    self.scaler, self.cursor, self.device)}
 
     def load_shards(self, shards: list[dict]) -> None:
@@ -124,11 +125,11 @@ class ZeroTrainer:
             if name in shards[0]["exp_avg"]:
                 self.zero.optimizer.state[shard] = {
                     "step": shards[0]["adam_step"][name].clone(),
-                    **{key: checkpointing.reshard([s[key][name] for s in shards], self.world,
+                    **{key: exact_resume.reshard([s[key][name] for s in shards], self.world,
                                                   self.rank).to(self.device)
                        for key in ("exp_avg", "exp_avg_sq")}}
         same_layout = len(shards) == self.world
-        self.step = checkpointing.restore_exact_resume_state(
+        self.step = exact_resume.restore_exact_resume_state(
             shards[self.rank] if same_layout else shards[0], self.zero.optimizer, self.scheduler,
             self.scaler, self.cursor, self.device, restore_rng=same_layout)
 
@@ -147,8 +148,8 @@ class ReferenceTrainer:
         self.model = data_parallel.make_model(config.seed)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr, foreach=False)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
-        self.cursor = checkpointing.DataCursor(config.dataset, config.batch, config.seed)
+            self.optimizer, exact_resume.cosine_with_warmup(config.warmup, config.steps))
+        self.cursor = exact_resume.DataCursor(config.dataset, config.batch, config.seed)
         self.inputs, self.targets = make_dataset(config)
 
     def train_step(self) -> None:
@@ -165,9 +166,9 @@ class ReferenceTrainer:
                 param.copy_(torch.cat([s["params"][name] for s in shards]).view_as(param))
             self.optimizer.state[param] = {
                 "step": shards[0]["adam_step"][name].clone(),
-                **{key: checkpointing.reshard([s[key][name] for s in shards], 1, 0).view_as(param)
+                **{key: exact_resume.reshard([s[key][name] for s in shards], 1, 0).view_as(param)
                    for key in ("exp_avg", "exp_avg_sq")}}
-        self.step = checkpointing.restore_exact_resume_state(
+        self.step = exact_resume.restore_exact_resume_state(
             shards[0], self.optimizer, self.scheduler, None, self.cursor, restore_rng=False)
 
     def finish(self) -> list[float]:
@@ -224,7 +225,7 @@ def run_training(ctx: RankContext, config: TrainConfig, ckpt_dir: Path, save_eve
             checkpointer.wait()
     exported = None
     if export_path is not None and ctx.rank == 0:
-        exported = checkpointing.export_safetensors(dict(trainer.model.named_parameters()),
+        exported = atomic_file.export_safetensors(dict(trainer.model.named_parameters()),
                                                     export_path)
     return {"sha256": trainer.param_sha256(), "resumed_from": resumed_from, "step": trainer.step,
             "params": flat_parameters(trainer.model).tolist(), "exported_bytes": exported,

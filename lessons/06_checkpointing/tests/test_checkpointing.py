@@ -40,7 +40,9 @@ from lessons._checks import max_abs_diff
 from lessons._launch import launch
 from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
-M = importlib.import_module("lessons.06_checkpointing.main")  # the technique
+M = importlib.import_module("lessons.06_checkpointing.main")  # the technique: the protocol
+F = importlib.import_module("lessons.06_checkpointing.atomic_file")  # the technique: one file
+R = importlib.import_module("lessons.06_checkpointing.exact_resume")  # the technique: resume
 C = importlib.import_module("lessons.06_checkpointing.checks")  # the harness
 T = importlib.import_module("lessons.06_checkpointing.trainer")
 W = importlib.import_module("lessons.06_checkpointing.tests.workers")
@@ -99,11 +101,11 @@ class _WatchedOs:
 class TestAtomicWrite(TmpDir):
     def test_replaces_the_file_and_leaves_no_temporary_file(self):
         target = self.dir / "f"
-        M.atomic_write_bytes(target, b"old")
+        F.atomic_write_bytes(target, b"old")
         self.assertEqual(target.read_bytes(), b"old")
-        M.atomic_write_bytes(target, b"")
+        F.atomic_write_bytes(target, b"")
         self.assertEqual(target.read_bytes(), b"")
-        M.atomic_write_bytes(target, bytes(range(256)) * 64)
+        F.atomic_write_bytes(target, bytes(range(256)) * 64)
         self.assertEqual(target.read_bytes(), bytes(range(256)) * 64)
         self.assertEqual(sorted(p.name for p in self.dir.iterdir()), ["f"])
 
@@ -111,10 +113,10 @@ class TestAtomicWrite(TmpDir):
         """A power cut after a rename of bytes still in the page cache can leave `f` empty;
         one after the rename but before the directory's fsync can lose the new name."""
         target, data = self.dir / "f", b"new bytes " * 1000
-        M.atomic_write_bytes(target, b"old")
+        F.atomic_write_bytes(target, b"old")
         watched = _WatchedOs()
-        with mock.patch.object(M, "os", watched):
-            M.atomic_write_bytes(target, data)
+        with mock.patch.object(F, "os", watched):
+            F.atomic_write_bytes(target, data)
         events = watched.events
         renames = [index for index, event in enumerate(events) if event[0] == "rename"]
         self.assertEqual(len(renames), 1, f"exactly one os.replace expected: {events}")
@@ -132,18 +134,18 @@ class TestAtomicWrite(TmpDir):
 
     def test_fsync_directory_fsyncs_the_directory_itself(self):
         watched = _WatchedOs()
-        with mock.patch.object(M, "os", watched):
-            M.fsync_directory(self.dir)
+        with mock.patch.object(F, "os", watched):
+            F.fsync_directory(self.dir)
         self.assertIn(("fsync dir", self.dir.stat().st_ino), [e[:2] for e in watched.events])
 
     def test_leaves_the_old_file_on_a_crash_before_the_rename(self):
         target = self.dir / "f"
-        M.atomic_write_bytes(target, b"old")
-        with mock.patch.object(M, "os", C._OsRenameCrash("f")), self.assertRaises(C.SimulatedCrash):
-            M.atomic_write_bytes(target, b"new")
+        F.atomic_write_bytes(target, b"old")
+        with mock.patch.object(F, "os", C._OsRenameCrash("f")), self.assertRaises(C.SimulatedCrash):
+            F.atomic_write_bytes(target, b"new")
         self.assertEqual(target.read_bytes(), b"old")
         self.assertEqual(len(list(self.dir.glob(".f.tmp-*"))), 1)  # the fsynced temp file stays
-        M.atomic_write_bytes(target, b"new")
+        F.atomic_write_bytes(target, b"new")
         self.assertEqual(target.read_bytes(), b"new")
 
 
@@ -383,12 +385,12 @@ def resumable_run(steps: int = 8, save_at: int = 4, resume: dict | None = None) 
     random.seed(11 if resume else 5)
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.SGD([param], lr=0.1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, M.cosine_with_warmup(3, steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, R.cosine_with_warmup(3, steps))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
-    cursor = M.DataCursor(12, 4, seed=3)
+    cursor = R.DataCursor(12, 4, seed=3)
     step, saved, trace = 0, None, []
     if resume is not None:
-        step = M.restore_exact_resume_state(resume, optimizer, scheduler, scaler, cursor, "cpu")
+        step = R.restore_exact_resume_state(resume, optimizer, scheduler, scaler, cursor, "cpu")
     while step < steps:
         trace.append({"lr": optimizer.param_groups[0]["lr"], "scale": scaler.get_scale(),
                       "batch": cursor.next_indices().tolist(), "python": random.random(),
@@ -400,7 +402,7 @@ def resumable_run(steps: int = 8, save_at: int = 4, resume: dict | None = None) 
         scheduler.step()
         step += 1
         if step == save_at:  # through the bytes, as a checkpoint holds it
-            saved = torch.load(io.BytesIO(M.serialize(M.exact_resume_state(
+            saved = torch.load(io.BytesIO(M.serialize(R.exact_resume_state(
                 step, optimizer, scheduler, scaler, cursor, "cpu"))), weights_only=True)
     return trace, saved
 
@@ -429,13 +431,13 @@ class TestExactResume(unittest.TestCase):
     def test_rng_state_touches_no_cuda_device_unless_asked(self):
         with mock.patch.object(torch.cuda, "get_rng_state_all") as every_device, \
                 mock.patch.object(torch.cuda, "get_rng_state") as one_device:
-            state = M.rng_state("cpu")
-            M.set_rng_state(state, "cpu")
+            state = R.rng_state("cpu")
+            R.set_rng_state(state, "cpu")
             self.assertNotIn("cuda", state)
             every_device.assert_not_called()
             one_device.assert_not_called()
             one_device.return_value = torch.zeros(16, dtype=torch.uint8)
-            self.assertIn("cuda", M.rng_state(torch.device("cuda", 3)))
+            self.assertIn("cuda", R.rng_state(torch.device("cuda", 3)))
             one_device.assert_called_once_with(torch.device("cuda", 3))
             every_device.assert_not_called()
 
@@ -443,13 +445,13 @@ class TestExactResume(unittest.TestCase):
         param = torch.nn.Parameter(torch.zeros(1))
         optimizer = torch.optim.SGD([param], lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        cursor = M.DataCursor(4, 2, 0)
-        state = M.exact_resume_state(3, optimizer, scheduler, None, cursor)
+        cursor = R.DataCursor(4, 2, 0)
+        state = R.exact_resume_state(3, optimizer, scheduler, None, cursor)
         self.assertEqual(set(state), {"step", "scheduler", "lr", "scaler", "cursor", "rng"})
         self.assertIsNone(state["scaler"])
         state["lr"] = [0.1, 0.2]
         with self.assertRaises(ValueError):
-            M.restore_exact_resume_state(state, optimizer, scheduler, None, cursor)
+            R.restore_exact_resume_state(state, optimizer, scheduler, None, cursor)
 
 
 # ============================================================================ integration
@@ -482,29 +484,41 @@ class TestProtocolTogether(TmpDir):
     def test_export_round_trip_and_failures(self):
         tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.float64)}
         path = self.dir / "m.safetensors"
-        self.assertEqual(M.export_safetensors(tensors, path), path.stat().st_size)
+        self.assertEqual(F.export_safetensors(tensors, path), path.stat().st_size)
         with self.assertRaisesRegex(M.CheckpointError, "empty"):
-            M.export_safetensors({}, self.dir / "e.safetensors")
+            F.export_safetensors({}, self.dir / "e.safetensors")
         with self.assertRaisesRegex(M.CheckpointError, "differs from the live model"):
-            M.verify_export(dict(tensors, a=tensors["a"] + 1), path)
+            F.verify_export(dict(tensors, a=tensors["a"] + 1), path)
         (self.dir / "t.safetensors").write_bytes(path.read_bytes()[:-4])
         with self.assertRaisesRegex(M.CheckpointError, "expected 8 \\+"):
-            M.verify_export(tensors, self.dir / "t.safetensors")
+            F.verify_export(tensors, self.dir / "t.safetensors")
         check = C.empty_export_check(self.dir, T.TrainConfig(), tensors)
         self.assertTrue(check.passed, check.detail)
 
     def test_cursor_and_schedule(self):
-        cursor = M.DataCursor(12, 4, 0)
+        cursor = R.DataCursor(12, 4, 0)
         seen = torch.cat([cursor.next_indices() for _ in range(3)])
         self.assertEqual(sorted(seen.tolist()), list(range(12)))
         self.assertEqual(cursor.state_dict(), {"epoch": 1, "position": 0})
-        factor = M.cosine_with_warmup(2, 10)
+        factor = R.cosine_with_warmup(2, 10)
         self.assertEqual([factor(0), factor(1)], [0.5, 1.0])
         self.assertAlmostEqual(factor(10), 0.0)
 
     def test_the_first_resumed_step_needs_the_saved_lr(self):
         for check in C.lr_checks():
             self.assertTrue(check.passed, f"{check.name}: {check.detail}")
+
+    def test_main_keeps_the_names_later_lessons_import(self):
+        """Lessons 10 and 13 import these from main.py; those of atomic_file.py and
+        exact_resume.py are the same objects, so a patch or a stub in either place is seen."""
+        for name in ("Checkpointer", "load_latest", "LATEST", "step_dir_name", "serialize",
+                     "committed_steps", "discard_newer_than"):
+            self.assertTrue(hasattr(M, name), name)
+        for module, names in ((F, ("CheckpointError", "atomic_write_bytes", "sha256_hex",
+                                   "export_safetensors", "verify_export")),
+                              (R, ("cosine_with_warmup", "rng_state", "set_rng_state"))):
+            for name in names:
+                self.assertIs(getattr(M, name), getattr(module, name), name)
 
 
 class TestOnSpawnedRanks(unittest.TestCase):
@@ -662,7 +676,7 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"{psi:,} float64 parameters", self.readme)
         data = save({k: v.detach() for k, v in model.named_parameters()})
         header = int.from_bytes(data[:8], "little")
-        self.assertEqual(len(data), M.safetensors_file_bytes(header, psi * 8))
+        self.assertEqual(len(data), F.safetensors_file_bytes(header, psi * 8))
         self.assertIn(f"{len(data):,} bytes: 8 (header length) + {header} (JSON header) + "
                       f"{psi:,} x 8 (data)", self.readme)
 
@@ -683,8 +697,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"{wrong:.4f} instead of {right:.4f}", self.readme)
 
     def test_checkpoint_interval(self):
-        young = M.young_interval(60, 86400)
-        daly = M.daly_interval(60, 86400)
+        young = R.young_interval(60, 86400)
+        daly = R.daly_interval(60, 86400)
         self.assertEqual(round(young), 3220)
         self.assertIn(f"{young:,.0f} s", self.readme)
         self.assertIn(f"{daly:,.0f} s", self.readme)
@@ -692,7 +706,7 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"about {saves:.0f} saves", self.readme)
         self.assertIn(f"{100 * math.sqrt(2 * 60 / 86400):.1f}%", self.readme)
         for c, m, want, half_unit in C.DALY_EXAMPLES:
-            self.assertLessEqual(abs(M.daly_interval(c, m) - want), half_unit)
+            self.assertLessEqual(abs(R.daly_interval(c, m) - want), half_unit)
 
     def test_scaler_story(self):
         full, saved, skipped = C.scaler_run(torch.float16, {1: 96.0, 5: 48.0}, 10_000)
