@@ -1,7 +1,7 @@
 """Lesson 10's proof: the sweep (teachers shared through files, every rank training its blocks,
 runs marked done, the sweep plan), the kill-and-resume demo, evaluation of the stitched
 students against the teacher and an end-to-end baseline, the export and broken exports, and
-the CLI. The technique itself is in main.py.
+the CLI. The technique itself is in main.py and resumable.py.
 
 Everything the demo does runs inside one launch (`demo_worker`), with rank 0 doing the serial
 parts between barriers and choosing the one runs directory every rank uses: so it runs the same
@@ -26,14 +26,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lessons._checks import fingerprint
 from lessons._launch import RankContext, inject_fault, launch, under_torchrun
 from lessons._report import Check, Report, check_args, finish, int_in, lesson_parser
 
 from . import main as distillation
+from . import resumable
 
 LESSON = "10_bypass_distillation"
-checkpointing = distillation.checkpointing  # lesson 06's technique (atomic writes, export)
-RunConfig, TeacherConfig = distillation.RunConfig, distillation.TeacherConfig
+checkpointing = resumable.checkpointing  # lesson 06's technique (atomic writes, export)
+RunConfig, TeacherConfig = resumable.RunConfig, distillation.TeacherConfig
 
 
 # ============================================================================ the sweep
@@ -42,7 +44,7 @@ RunConfig, TeacherConfig = distillation.RunConfig, distillation.TeacherConfig
 def load_or_train_teacher(config: TeacherConfig, teachers_dir: Path) -> tuple[nn.Module, bool]:
     """The teacher is a run too: trained once per fingerprint, exported (verified), reused.
     Returns (teacher, True if it was read from its file)."""
-    path = teachers_dir / f"teacher-{distillation.fingerprint(config)}.safetensors"
+    path = teachers_dir / f"teacher-{fingerprint(config)}.safetensors"
     if path.exists():
         from safetensors.torch import load_file
         teacher = distillation.make_teacher(config)
@@ -66,8 +68,8 @@ def sweep_plan(runs: list[RunConfig], runs_dir: Path) -> dict[str, str]:
             continue
         steps = []
         for index in range(run.teacher.layers):
-            directory = distillation.block_dir(run_dir, index)
-            state = None if (directory / "done.json").exists() else distillation.load_block(directory)
+            directory = resumable.block_dir(run_dir, index)
+            state = None if (directory / "done.json").exists() else resumable.load_block(directory)
             steps.append(run.steps if (directory / "done.json").exists() else
                          (state["step"] if state is not None else 0))
         plan[run.fingerprint()] = f"resume: blocks at steps {steps}" if max(steps) > 0 else "new"
@@ -79,7 +81,7 @@ def finish_runs(runs: list[RunConfig], runs_dir: Path) -> list[str]:
     finished = []
     for run in runs:
         run_dir = runs_dir / run.fingerprint()
-        done = [distillation.block_dir(run_dir, i) / "done.json" for i in range(run.teacher.layers)]
+        done = [resumable.block_dir(run_dir, i) / "done.json" for i in range(run.teacher.layers)]
         if all(path.exists() for path in done) and not (run_dir / "done.json").exists():
             blocks = [json.loads(path.read_text()) for path in done]
             summary = {"config": dataclasses.asdict(run),
@@ -134,7 +136,7 @@ def sweep_pass(ctx: RankContext, jobs: list[dict], teachers_dir: Path) -> list[d
             teachers[run.teacher] = load_or_train_teacher(run.teacher, teachers_dir)[0]
         hook = kill_hook(job.get("kill_after"), job.get("real_kill", False))
         try:
-            blocks = distillation.train_rank_blocks(run, run_dir, teachers[run.teacher], ctx.rank,
+            blocks = resumable.train_rank_blocks(run, run_dir, teachers[run.teacher], ctx.rank,
                                                     ctx.world_size, io_cache, hook)
         except SimulatedKill as kill:
             out.append({"fingerprint": run.fingerprint(), "status": "killed", "step": kill.args[0],
@@ -215,7 +217,7 @@ def train_end_to_end(run: RunConfig, teacher: nn.Module) -> nn.Module:
     number of steps and LR schedule, trained on the teacher's logits (KL) end to end."""
     student = distillation.make_teacher(run.teacher)
     student.load_state_dict(teacher.state_dict())
-    student.layers = nn.ModuleList(distillation.initial_block(run, teacher, index)  # the blockwise start
+    student.layers = nn.ModuleList(resumable.initial_block(run, teacher, index)  # the blockwise start
                                    for index in range(run.teacher.layers))
     for part in (student.embed, student.pos, student.norm):
         part.requires_grad_(False)  # blockwise training does not touch them either
@@ -313,7 +315,7 @@ def report(scratch: Path, runs: list[RunConfig], teacher_config: TeacherConfig, 
            first: list, second: list, plan_after_kill: dict, plan_after_all: dict, world: int) -> dict:
     """Rank 0: the demo's checks and metrics, as plain data."""
     runs_dir, fresh_dir, layers = scratch / "runs", scratch / "uninterrupted", teacher_config.layers
-    last_save = distillation.resume_step(kill_step, runs[0].save_every)
+    last_save = resumable.resume_step(kill_step, runs[0].save_every)
     # a kill ends a rank's job: each rank's first block keeps its checkpoint, the rest never started
     expected_steps = [last_save if index < world else 0 for index in range(layers)]
     resumed_from = sorted({b["resumed_from"] for rank in second for b in rank[0]["blocks"]})
@@ -348,7 +350,7 @@ def report(scratch: Path, runs: list[RunConfig], teacher_config: TeacherConfig, 
                "params_per_block": {"teacher": distillation.params_of(teacher.layers[0])},
                "teacher_block_forwards": distillation.teacher_block_forwards(layers, world)}
     for run in runs:
-        student = distillation.load_student(run, runs_dir, teacher)
+        student = resumable.load_student(run, runs_dir, teacher)
         metrics["params_per_block"][run.kind] = distillation.params_of(student.layers[0])
         metrics[f"stitched_{run.kind}"] = evaluate(student, teacher, teacher_config)
         metrics[f"blocks_{run.kind}"] = block_report(student, teacher, teacher_config)
@@ -366,14 +368,14 @@ def report(scratch: Path, runs: list[RunConfig], teacher_config: TeacherConfig, 
                         stitched["kl"] < metrics["stitched_linear"]["kl"],
                         f"KL {stitched['kl']:.4f} vs {metrics['stitched_linear']['kl']:.4f}; "
                         f"end-to-end mlp1 KL {metrics['end_to_end_mlp1']['kl']:.4f}"))
-    checks += export_checks(distillation.load_student(runs[0], runs_dir, teacher), teacher, teacher_config,
+    checks += export_checks(resumable.load_student(runs[0], runs_dir, teacher), teacher, teacher_config,
                             runs_dir / runs[0].fingerprint() / "student.safetensors", scratch, metrics)
     return {"checks": [vars(c) for c in checks], "metrics": metrics}
 
 
 def export_checks(student: nn.Module, teacher: nn.Module, teacher_config: TeacherConfig, path: Path,
                   scratch: Path, metrics: dict) -> list[Check]:
-    size = distillation.export_student(student, path)
+    size = resumable.export_student(student, path)
     from safetensors.torch import load_file
     reloaded = distillation.make_student(teacher, "mlp1", teacher_config)
     reloaded.load_state_dict(load_file(path))

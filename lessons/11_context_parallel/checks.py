@@ -4,7 +4,8 @@
 On every rank: build the same full q, k, v (float64), compute the reference output and its
 gradients with PyTorch, run this rank's shard through the context-parallel attention, gather
 the output and dQ, dK, dV back into sequence order and compare; count the exchange steps, the
-bytes sent and the tiles computed, each against its formula in main.py. Then the CLI.
+bytes sent and the tiles computed, each against its formula in main.py or
+ulysses.py. Then the CLI.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from lessons._report import (
 )
 
 from . import main as context_parallel
+from . import ulysses
 
 memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT
 
@@ -84,7 +86,7 @@ def run_variant(variant: str, inputs, seq: int, causal: bool, layout: str, engin
     if variant == "ring":
         out = context_parallel.ring_attention(*local, seq, causal, layout, stats)
     else:
-        out = context_parallel.ulysses_attention(*local, seq, causal, layout, engine, stats.traffic)
+        out = ulysses.ulysses_attention(*local, seq, causal, layout, engine, stats.traffic)
     seconds = time.perf_counter() - started
     forward_bytes = stats.traffic.bytes_sent
     (out * w[:, where]).sum().backward()
@@ -122,7 +124,7 @@ def variant_checks(variant: str, run: dict, ref, seq: int, heads: int, head_dim:
     gap = max_abs_diff(run["out"], y_ref)
     grad_gap = max(max_abs_diff(a, b) for a, b in zip(run["grads"], g_ref))
     formula = (context_parallel.ring_bytes_per_rank if variant == "ring"
-               else context_parallel.ulysses_bytes_per_rank)(seq, heads, head_dim, cp, 8)._asdict()
+               else ulysses.ulysses_bytes_per_rank)(seq, heads, head_dim, cp, 8)._asdict()
     counted = {"forward": run["forward_bytes"], "backward": run["backward_bytes"]}
     checks = [
         Check(f"{variant}: output == sdpa on the whole sequence", gap <= TOLERANCE, f"max |diff| {gap:.1e}"),
@@ -148,7 +150,7 @@ def refusal_checks(seq: int) -> list[Check]:
     cp, rank = dist.get_world_size(), dist.get_rank()
     bad_seq = 2 * cp * 3 + 1  # never divisible by 2 cp
     messages = []
-    for refuse in (lambda: context_parallel.check_heads(cp + 1, cp),
+    for refuse in (lambda: ulysses.check_heads(cp + 1, cp),
                    lambda: context_parallel.sequence_positions(bad_seq, cp, rank, "zigzag")):
         try:
             refuse()
@@ -226,7 +228,7 @@ def cp_gpt_steps(ctx: RankContext, variant: str, layout: str, steps: int = 3, vo
     batches = memory.markov_batches(vocab, seq, 1, steps, seed=3)
     attend = ((lambda q, k, v: context_parallel.ring_attention(q, k, v, seq, True, layout))
               if variant == "ring" else
-              (lambda q, k, v: context_parallel.ulysses_attention(q, k, v, seq, True, layout)))
+              (lambda q, k, v: ulysses.ulysses_attention(q, k, v, seq, True, layout)))
     loss_gap = grad_gap = 0.0
     for tokens, targets in batches:
         tokens, targets = tokens.to(ctx.device), targets.to(ctx.device)
@@ -335,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                      timeout_s=args.timeout)
     checks = merge_rank_checks([r["checks"] for r in results])
     world = len(results)
-    ring = context_parallel.ring_bytes_per_rank(args.seq, args.heads, args.head_dim, world, 8)
-    ulysses = context_parallel.ulysses_bytes_per_rank(args.seq, args.heads, args.head_dim, world, 8)
+    ring_sent = context_parallel.ring_bytes_per_rank(args.seq, args.heads, args.head_dim, world, 8)
+    ulysses_sent = ulysses.ulysses_bytes_per_rank(args.seq, args.heads, args.head_dim, world, 8)
     metrics = {
         "variant": args.variant, "layout": args.layout, "causal": args.causal,
         "bytes_per_rank": [r["bytes"] for r in results],
@@ -345,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "tiles_formula": {layout: context_parallel.tiles_per_rank(world, layout, args.causal)
                           for layout in context_parallel.LAYOUTS},
         "forward_seconds_per_rank": [round(r["seconds"], 4) for r in results],
-        "bytes_formula": {"ring": ring._asdict(), "ulysses": ulysses._asdict()},
+        "bytes_formula": {"ring": ring_sent._asdict(), "ulysses": ulysses_sent._asdict()},
     }
     sent = metrics["bytes_per_rank"][0]
     metrics["headline"] = (f"{args.variant}: {sent['forward']} B forward + {sent['backward']} B "

@@ -1,19 +1,19 @@
 """Lesson 11: context parallelism: attention by blocks, ring attention, zig-zag balance, Ulysses.
 
-The story, top to bottom:
+The story, top to bottom (this file, then ulysses.py):
 
 1. Attention by blocks (FlashAttention's online softmax): attend a query tile to one key/value
    block, keep its log-sum-exp, merge two partial results exactly; backward recomputes each
    tile's probabilities from the saved log-sum-exp. No s x s matrix is ever kept.
 2. The layouts: the sequence cut into 2 cp equal chunks; contiguous (rank r holds chunks 2r,
-   2r+1) or zig-zag (chunks r and 2cp-1-r, Llama 3's causal balance).
+   2r+1) or zig-zag (chunks r and 2cp-1-r, Llama 3's causal balance), and the load balance:
+   the unmasked (query chunk, key chunk) tiles per rank under a causal mask.
 3. Ring attention: every rank keeps its queries; key/value blocks travel around the ring, one
    grouped send/receive per step, the next block in flight while this one is computed:
    cp - 1 exchange steps forward; in backward dK, dV travel with their block and go home.
-4. Load balance: the unmasked (query chunk, key chunk) tiles per rank under a causal mask.
-5. Ulysses (DeepSpeed): one all-to-all turns sequence shards into head shards, full-sequence
-   attention per head group, one all-to-all back.
-6. The cost model: bytes per rank for both, activation memory per rank with and without CP.
+4. The cost model: the ring's bytes per rank, activation memory per rank with and without CP.
+5. ulysses.py: Ulysses (DeepSpeed): one all-to-all turns sequence shards into head shards,
+   full-sequence attention per head group, one all-to-all back; its bytes per rank.
 
 The proof is in checks.py: `python lessons/11_context_parallel/main.py --world-size 4`.
 """
@@ -296,85 +296,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: int, 
     return RingAttention.apply(q, k, v, seq, causal, layout, stats or RingStats(), group)
 
 
-# ============================================================================ 5. Ulysses
-
-
-def check_heads(heads: int, cp: int) -> None:
-    """Ulysses gives each rank heads / cp whole heads: refuse a count that does not divide."""
-    if heads % cp:
-        raise ValueError(f"Ulysses needs heads divisible by cp: {heads} heads on {cp} ranks")
-
-
-def all_to_all_rows(send: torch.Tensor, engine: str, traffic: collectives.Traffic) -> torch.Tensor:
-    """Equal blocks of dim 0, block j to rank j, received blocks stacked by source rank:
-    lesson 01's `all_to_all` built from point-to-point ("p2p", bytes counted) or torch's
-    `dist.all_to_all_single` ("torch")."""
-    cp = dist.get_world_size()
-    counts = [send.shape[0] // cp] * cp
-    if engine == "p2p":
-        return collectives.all_to_all(send, counts, counts, traffic)
-    send = send.contiguous()
-    out = torch.empty_like(send, memory_format=torch.contiguous_format)
-    dist.all_to_all_single(out, send, counts, counts)
-    return out
-
-
-# exercise ulysses (4 points): Ulysses: sequence shards to head shards and back
-# hint: heads to seq: head group j of every local position goes to rank j, so send (H, n, d)
-#   as cp blocks of H / cp heads; what arrives is (cp, H / cp, n, d) by source rank: put the
-#   source ranks' positions one after the other. seq to heads is the inverse, and each is the
-#   other's backward.
-def seq_to_heads(x: torch.Tensor, engine: str, traffic: collectives.Traffic) -> torch.Tensor:
-    """(H, n, d) sequence-sharded -> (H / cp, cp n, d): this rank's head group over every
-    position, ordered by source rank (rank i's n positions, then rank i + 1's). One
-    all-to-all: (cp - 1) / cp of x's bytes leave the rank."""
-    cp = dist.get_world_size()
-    heads, n, d = x.shape
-    received = all_to_all_rows(x.contiguous(), engine, traffic)
-    return received.reshape(cp, heads // cp, n, d).transpose(0, 1).reshape(heads // cp, cp * n, d)
-
-
-# exercise ulysses (continued)
-def heads_to_seq(y: torch.Tensor, engine: str, traffic: collectives.Traffic) -> torch.Tensor:
-    """The inverse of `seq_to_heads`: (H / cp, cp n, d) -> (H, n, d), heads in order."""
-    cp = dist.get_world_size()
-    group, length, d = y.shape
-    send = y.reshape(group, cp, length // cp, d).transpose(0, 1).reshape(cp * group, length // cp, d)
-    return all_to_all_rows(send, engine, traffic)
-
-
-class SequenceToHeads(torch.autograd.Function):
-    """`seq_to_heads` forward, `heads_to_seq` of the gradient backward (and inverse=True the
-    other way round): an all-to-all's adjoint is the reverse all-to-all."""
-
-    @staticmethod
-    def forward(ctx, x, inverse: bool, engine: str, traffic):
-        ctx.inverse, ctx.engine, ctx.traffic = inverse, engine, traffic
-        return (heads_to_seq if inverse else seq_to_heads)(x, engine, traffic)
-
-    @staticmethod
-    def backward(ctx, grad):
-        undo = seq_to_heads if ctx.inverse else heads_to_seq
-        return undo(grad, ctx.engine, ctx.traffic), None, None, None
-
-
-def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: int,
-                      causal: bool = True, layout: str = "zigzag", engine: str = "p2p",
-                      traffic: collectives.Traffic | None = None, block: int = 64) -> torch.Tensor:
-    """DeepSpeed-Ulysses on this rank's shard q, k, v (H, seq / cp, d) -> out (H, seq / cp, d).
-    Three all-to-alls to head shards, `blockwise_attention` over the full sequence (the mask
-    from the gathered positions, so any layout works), one all-to-all back; backward the four
-    reversed. Bytes per rank: 4 (cp - 1) / cp B forward, the same backward (B as in
-    `RingAttention`). heads % cp != 0: ValueError."""
-    cp, traffic = dist.get_world_size(), traffic if traffic is not None else collectives.Traffic()
-    check_heads(q.shape[0], cp)
-    positions = torch.cat([sequence_positions(seq, cp, r, layout) for r in range(cp)]).to(q.device)
-    qh, kh, vh = (SequenceToHeads.apply(t, False, engine, traffic) for t in (q, k, v))
-    out = blockwise_attention(qh, kh, vh, causal, block, positions, positions)
-    return SequenceToHeads.apply(out, True, engine, traffic)
-
-
-# ============================================================================ 6. the cost model
+# ============================================================================ 4. the cost model
 
 
 def shard_bytes(seq: int, heads: int, head_dim: int, cp: int, itemsize: int) -> int:
@@ -394,13 +316,6 @@ def ring_bytes_per_rank(seq: int, heads: int, head_dim: int, cp: int, itemsize: 
     (cp > 1; both 0 at cp = 1). Grows linearly with cp at a fixed shard."""
     b = shard_bytes(seq, heads, head_dim, cp, itemsize)
     return Bytes(2 * (cp - 1) * b, (4 * cp - 2) * b if cp > 1 else 0)
-
-
-def ulysses_bytes_per_rank(seq: int, heads: int, head_dim: int, cp: int, itemsize: int) -> Bytes:
-    """Ulysses, bytes one rank sends: four all-to-alls each way, (cp - 1) / cp B each:
-    4 (cp - 1) / cp B forward and backward. Bounded by 4 B whatever cp is."""
-    b = shard_bytes(seq, heads, head_dim, cp, itemsize)
-    return Bytes(4 * (cp - 1) * b // cp, 4 * (cp - 1) * b // cp)
 
 
 def activation_bytes_per_rank(seq: int, hidden: int, heads: int, cp: int = 1, batch: int = 1,

@@ -2,11 +2,11 @@
 kill (simulated and SIGKILL) and resume bitwise, checkpoint errors, the sweep plan, parallel ==
 serial, broken exports, the CLI, torchrun, and the README's numbers (TestDocNumbers).
 
-Learner mode: tests tagged `@exercise(...)` grade one exercise of main.py each. The resume
-tests run with a reference `distill_step` patched in (and the distill-step tests with a
-reference loss), so a wrong loss or step fails its own exercise, not the resume logic; the
-untagged tests (the demo, the sweep on ranks, exports, the docs' numbers, the CLI) are the
-"integration" criterion."""
+Learner mode: tests tagged `@exercise(...)` grade one exercise of main.py or resumable.py
+each. The resume tests run with a reference `distill_step` patched in (and the distill-step
+tests with a reference loss), so a wrong loss or step fails its own exercise, not the resume
+logic; the untagged tests (the demo, the sweep on ranks, exports, the docs' numbers, the CLI)
+are the "integration" criterion."""
 
 from __future__ import annotations
 
@@ -22,13 +22,15 @@ from unittest import mock
 
 import torch
 
+from lessons._checks import fingerprint
 from lessons._launch import WorkerError, one_thread
 from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
 M = importlib.import_module("lessons.10_bypass_distillation.main")
+R = importlib.import_module("lessons.10_bypass_distillation.resumable")
 C = importlib.import_module("lessons.10_bypass_distillation.checks")
 TEACHER = M.TeacherConfig(hidden=32, heads=2, layers=2, seq=16, batch=4, steps=30)
-RUN = M.RunConfig(kind="mlp1", steps=20, warmup=3, save_every=10, teacher=TEACHER)
+RUN = R.RunConfig(kind="mlp1", steps=20, warmup=3, save_every=10, teacher=TEACHER)
 
 
 class TempDirCase(unittest.TestCase):
@@ -63,7 +65,7 @@ def step_setup(seed: int = 0):
     with torch.no_grad():
         block.proj.weight.normal_(0, 0.3)
     optimizer = torch.optim.AdamW(block.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, M.checkpointing.cosine_with_warmup(2, 6))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, R.checkpointing.cosine_with_warmup(2, 6))
     x, t = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
     return block, optimizer, scheduler, x, t
 
@@ -111,7 +113,7 @@ class TestDistillStep(unittest.TestCase):
 class TestPieces(TempDirCase):
     @exercise("resumable-block")
     def test_fingerprint_is_canonical_and_sensitive(self):
-        self.assertEqual(M.fingerprint({"a": 1, "b": [1, 2]}), M.fingerprint({"b": [1, 2], "a": 1}))
+        self.assertEqual(fingerprint({"a": 1, "b": [1, 2]}), fingerprint({"b": [1, 2], "a": 1}))
         self.assertNotEqual(RUN.fingerprint(), dataclasses.replace(RUN, lr=1e-3).fingerprint())
         other_teacher = dataclasses.replace(RUN, teacher=dataclasses.replace(TEACHER, seed=1))
         self.assertNotEqual(RUN.fingerprint(), other_teacher.fingerprint())
@@ -154,7 +156,7 @@ class TestPieces(TempDirCase):
         for world in (1, 2, 3):
             calls.clear()
             for rank in range(world):
-                M.train_rank_blocks(run, self.dir / f"w{world}", teacher, rank, world, {})
+                R.train_rank_blocks(run, self.dir / f"w{world}", teacher, rank, world, {})
             self.assertEqual(len(calls), run.steps * M.teacher_block_forwards(4, world)["ours"], world)
         self.assertEqual(M.teacher_block_forwards(4, 2), {"ours": 7, "per_block_prefix": 10, "pipelined": 4})
         self.assertEqual(M.teacher_block_forwards(4, 1)["ours"], 4)
@@ -169,54 +171,54 @@ class TestResume(TempDirCase):
     def test_killed_and_resumed_equals_uninterrupted_bitwise(self):
         teacher = M.train_teacher(TEACHER)
         with self.assertRaises(C.SimulatedKill):
-            M.train_block(RUN, self.dir / "a", 1, teacher, after_step=stop_after(15))
+            R.train_block(RUN, self.dir / "a", 1, teacher, after_step=stop_after(15))
         self.assertEqual(C.sweep_plan([RUN], self.dir / "x"), {RUN.fingerprint(): "new"})
-        resumed = M.train_block(RUN, self.dir / "a", 1, teacher)
+        resumed = R.train_block(RUN, self.dir / "a", 1, teacher)
         self.assertEqual(resumed["resumed_from"], 10)
-        fresh = M.train_block(RUN, self.dir / "b", 1, teacher)
+        fresh = R.train_block(RUN, self.dir / "b", 1, teacher)
         self.assertEqual(resumed["sha256"], fresh["sha256"])
         self.assertEqual(resumed["losses"], fresh["losses"])
-        self.assertEqual(M.train_block(RUN, self.dir / "a", 1, teacher)["status"], "skipped")
+        self.assertEqual(R.train_block(RUN, self.dir / "a", 1, teacher)["status"], "skipped")
 
     @exercise("resumable-block")
     def test_sweep_plan(self):
         teacher = M.train_teacher(TEACHER)
         run_dir = self.dir / RUN.fingerprint()
         with self.assertRaises(C.SimulatedKill):
-            M.train_block(RUN, run_dir, 0, teacher, after_step=stop_after(12))
+            R.train_block(RUN, run_dir, 0, teacher, after_step=stop_after(12))
         plan = C.sweep_plan([RUN], self.dir)
         self.assertEqual(plan, {RUN.fingerprint(): "resume: blocks at steps [10, 0]"})
         for block in range(TEACHER.layers):
-            M.train_block(RUN, run_dir, block, teacher)
+            R.train_block(RUN, run_dir, block, teacher)
         self.assertEqual(C.finish_runs([RUN], self.dir), [RUN.fingerprint()])
         self.assertEqual(C.sweep_plan([RUN], self.dir), {RUN.fingerprint(): "finished"})
 
     def test_bad_checkpoints_name_the_file(self):
         directory = self.dir / "block-000"
         directory.mkdir()
-        self.assertIsNone(M.load_block(directory))
+        self.assertIsNone(R.load_block(directory))
         (directory / "latest").write_text("step-000010.pt")
-        with self.assertRaisesRegex(M.checkpointing.CheckpointError, "latest: names 'step-000010.pt'"):
-            M.load_block(directory)
+        with self.assertRaisesRegex(R.checkpointing.CheckpointError, "latest: names 'step-000010.pt'"):
+            R.load_block(directory)
         (directory / "step-000010.pt").write_bytes(b"not a checkpoint")
-        with self.assertRaisesRegex(M.checkpointing.CheckpointError, "step-000010.pt: unreadable"):
-            M.load_block(directory)
+        with self.assertRaisesRegex(R.checkpointing.CheckpointError, "step-000010.pt: unreadable"):
+            R.load_block(directory)
 
     @exercise("resumable-block")
     def test_a_crash_before_the_pointer_moves_keeps_the_previous_checkpoint(self):
         teacher = M.train_teacher(TEACHER)
-        directory = M.block_dir(self.dir, 0)
+        directory = R.block_dir(self.dir, 0)
         with self.assertRaises(C.SimulatedKill):
-            M.train_block(RUN, self.dir, 0, teacher, after_step=stop_after(15))  # saved at 10
+            R.train_block(RUN, self.dir, 0, teacher, after_step=stop_after(15))  # saved at 10
         (directory / "step-000020.pt").write_bytes(b"half written")  # pointer never moved
-        self.assertEqual(M.load_block(directory)["step"], 10)
+        self.assertEqual(R.load_block(directory)["step"], 10)
 
 
 def uninterrupted_digests(run) -> dict[int, str]:
     """Every block of `run` trained in this process without a break: the serial reference."""
     teacher = M.train_teacher(run.teacher)
     with tempfile.TemporaryDirectory(prefix="bld-serial-") as folder:
-        return {i: M.train_block(run, Path(folder), i, teacher)["sha256"] for i in range(run.teacher.layers)}
+        return {i: R.train_block(run, Path(folder), i, teacher)["sha256"] for i in range(run.teacher.layers)}
 
 
 class TestParallel(TempDirCase):
@@ -244,7 +246,7 @@ class TestExport(TempDirCase):
     def test_export_and_broken_exports(self):
         teacher = M.make_teacher(TEACHER)
         student = M.make_student(teacher, "mlp1", TEACHER)
-        size = M.export_student(student, self.dir / "s.safetensors")
+        size = R.export_student(student, self.dir / "s.safetensors")
         self.assertEqual(size, (self.dir / "s.safetensors").stat().st_size)
         for check in C.broken_export_checks(student, self.dir):
             with self.subTest(check=check.name):

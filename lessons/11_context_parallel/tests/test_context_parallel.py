@@ -21,6 +21,7 @@ from lessons._testing import (
 )
 
 M = importlib.import_module("lessons.11_context_parallel.main")
+U = importlib.import_module("lessons.11_context_parallel.ulysses")
 C = importlib.import_module("lessons.11_context_parallel.checks")
 W = importlib.import_module("lessons.11_context_parallel.tests.workers")
 B = importlib.import_module("lessons.11_context_parallel.bench")
@@ -244,7 +245,7 @@ class TestUlysses(RankCase):
                 with self.subTest(where=where):
                     self.assertNotIn("error", value)
                     self.assertEqual(value["bytes"],
-                                     M.ulysses_bytes_per_rank(SEQ, HEADS, HEAD_DIM, world, 8)._asdict())
+                                     U.ulysses_bytes_per_rank(SEQ, HEADS, HEAD_DIM, world, 8)._asdict())
 
     def test_heads_not_divisible(self):
         for where, world, _, _, value in self.configs("heads_refusal"):
@@ -267,7 +268,7 @@ class TestWhole(RankCase):
         """Ulysses sends cp / 2 times fewer bytes forward than the ring (equal at cp = 2)."""
         for cp in (2, 4, 8):
             ring = M.ring_bytes_per_rank(4096, 32, 128, cp, 2).forward
-            ulysses = M.ulysses_bytes_per_rank(4096, 32, 128, cp, 2).forward
+            ulysses = U.ulysses_bytes_per_rank(4096, 32, 128, cp, 2).forward
             self.assertEqual(ring * 2, ulysses * cp)
 
     def test_gpt_training_steps_with_cp_equal_one_process(self):
@@ -328,7 +329,7 @@ class TestDocNumbers(unittest.TestCase):
         b = M.shard_bytes(131072, 32, 128, 8, 2)
         self.assertEqual(b, 2**27)
         ring = M.ring_bytes_per_rank(131072, 32, 128, 8, 2)
-        ulysses = M.ulysses_bytes_per_rank(131072, 32, 128, 8, 2)
+        ulysses = U.ulysses_bytes_per_rank(131072, 32, 128, 8, 2)
         self.assertIn(f"{ring.forward / 2**30:.2f} GiB", text)
         self.assertIn(f"{ulysses.forward / 2**20:.0f} MiB", text)
 
@@ -338,7 +339,7 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"{M.tiles_per_rank(4, 'zigzag')}", text)
         ring = M.ring_bytes_per_rank(64, 4, 8, 4, 8)
         self.assertIn(f"{ring.forward:,} B forward and {ring.backward:,} B backward", text)
-        ulysses = M.ulysses_bytes_per_rank(64, 4, 8, 4, 8)
+        ulysses = U.ulysses_bytes_per_rank(64, 4, 8, 4, 8)
         self.assertIn(f"{ulysses.forward:,} B each way", text)
 
 

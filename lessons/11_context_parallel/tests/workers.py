@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from lessons._launch import RankContext
 
 M = importlib.import_module("lessons.11_context_parallel.main")
+U = importlib.import_module("lessons.11_context_parallel.ulysses")
 C = importlib.import_module("lessons.11_context_parallel.checks")
 
 
@@ -132,7 +133,7 @@ def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
         if "error" not in results[f"whole/{variant}"]:
             del results[f"whole/{variant}"]
     results["whole"] = whole
-    results["heads_refusal"] = attempt(lambda: {"message": str(M.check_heads(ctx.world_size + 1,
+    results["heads_refusal"] = attempt(lambda: {"message": str(U.check_heads(ctx.world_size + 1,
                                                                              ctx.world_size))})
     return results
 
