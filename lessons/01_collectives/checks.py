@@ -1,6 +1,6 @@
-"""Lesson 01's proof: every collective of main.py against torch.distributed's own, the ring
-against an exact single-process sum in the ring's order, every byte count against its
-formula, edge lengths, and the command line.
+"""Lesson 01's proof: every collective of main.py and latency_optimal.py against
+torch.distributed's own, the ring against an exact single-process sum in the ring's order,
+every byte count against its formula, edge lengths, and the command line.
 
 Comparisons are exact (copies, integers, the same additions in the same order) or bounded by
 how far two float summation orders may differ: (p-1) eps sum|x_i|, element by element
@@ -30,6 +30,7 @@ from lessons._report import (
     merge_rank_checks,
 )
 
+from . import latency_optimal
 from . import main as collectives
 
 LESSON = "01_collectives"
@@ -207,12 +208,12 @@ def verify_collectives(numel: int, dtype: torch.dtype, seed: int,
     root = world - 1
     ours_bcast = x.clone()
     traffic_bc = collectives.Traffic()
-    rounds = collectives.tree_broadcast(ours_bcast, root, traffic_bc)
+    rounds = latency_optimal.tree_broadcast(ours_bcast, root, traffic_bc)
     theirs_bcast = x.clone()
     dist.broadcast(theirs_bcast, root)
     ok, detail = compare(ours_bcast, theirs_bcast, None)
     checks.append(Check(f"tree broadcast from rank {root} == torch broadcast", ok, detail))
-    bcast_expected = collectives.tree_broadcast_bytes_sent(size_bytes, world, root, rank)
+    bcast_expected = latency_optimal.tree_broadcast_bytes_sent(size_bytes, world, root, rank)
     total_sent = torch.tensor([traffic_bc.bytes_sent], dtype=torch.int64, device=device)
     dist.all_reduce(total_sent)
     bcast_ok = (traffic_bc.bytes_sent == bcast_expected and int(total_sent) == (world - 1) * size_bytes
@@ -223,10 +224,10 @@ def verify_collectives(numel: int, dtype: torch.dtype, seed: int,
 
     # recursive doubling
     traffic_rd = collectives.Traffic()
-    ours_doubling = collectives.recursive_doubling_all_reduce(x, traffic_rd)
+    ours_doubling = latency_optimal.recursive_doubling_all_reduce(x, traffic_rd)
     ok, detail = compare(ours_doubling, theirs_reduced, tolerance)
     checks.append(Check("recursive doubling == torch all_reduce", ok, detail))
-    rd_expected = collectives.recursive_doubling_bytes_sent(size_bytes, world, rank)
+    rd_expected = latency_optimal.recursive_doubling_bytes_sent(size_bytes, world, rank)
     checks.append(Check("recursive doubling bytes sent == formula",
                         traffic_rd.bytes_sent == rd_expected,
                         f"{traffic_rd.bytes_sent} B counted, {rd_expected} B formula"))

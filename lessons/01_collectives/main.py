@@ -1,14 +1,16 @@
 """Lesson 01: collective operations, built from point-to-point messages.
 
+main.py, the bandwidth-optimal ring and what later lessons build on:
 1. Chunks: a vector of S bytes in p pieces whose sizes differ by at most one element.
 2. `exchange`, our one primitive: a step's sends and receives posted as one group (no ring
    can deadlock, on NCCL either); `Traffic` counts every byte a rank sends.
 3. The plain ring: reduce-scatter, all-gather, and all-reduce as their composition:
    2(p-1)/p * S bytes per rank (below 2S whatever p is), but 2(p-1) latencies.
 4. The segmented ring, an optimisation: add piece i of a chunk while piece i+1 arrives.
-5. Binomial-tree broadcast and recursive doubling: log2 p latencies, more bytes.
-6. All-to-all: block j of rank r's rows goes to rank j (Ulysses attention, MoE dispatch).
-7. The formulas: bytes per rank, alpha-beta time, nccl-tests' algbw and busbw.
+5. All-to-all: block j of rank r's rows goes to rank j (Ulysses attention, MoE dispatch).
+6. The formulas: bytes per rank, alpha-beta time, nccl-tests' algbw and busbw.
+Then latency_optimal.py: binomial-tree broadcast and recursive doubling, log2 p latencies
+for more bytes, and their byte counts.
 
 The proof (every result against torch.distributed) is in checks.py, the benchmark in
 bench.py. Run: `python lessons/01_collectives/main.py --world-size 5 --numel 1000`.
@@ -226,69 +228,7 @@ def segmented_ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None 
     return flat[start:end].clone()
 
 
-# ============================================================================ 5. tree and doubling
-
-
-# exercise tree-broadcast (3 points): Binomial-tree broadcast
-# hint: relative ranks make every root look like rank 0; turn a relative rank back into a
-#   real one by adding root (mod p). A rank receives exactly once: in the round k with
-#   2^k <= v < 2^(k+1). Each round is one `exchange` (a send, a receive, or nothing).
-def tree_broadcast(tensor: torch.Tensor, root: int, traffic: Traffic | None = None) -> int:
-    """Binomial-tree broadcast of `tensor` (any shape, contiguous; the same shape and dtype on
-    every rank) from `root`, in place: afterwards every rank's `tensor` holds the root's
-    values. Returns the number of rounds, ceil(log2 p) on every rank (0 when p = 1).
-
-    With relative rank v = (rank - root) mod p, in round k (k = 0, 1, ...) every rank with
-    v < 2^k already has the data and sends it to v + 2^k (if that exists). The set of ranks
-    holding the data doubles each round: ceil(log2 p) rounds, p-1 messages of S bytes in all.
-    Every message goes through `exchange(..., traffic)`: the root sends ceil(log2 p) * S
-    bytes, rank r `tree_broadcast_bytes_sent(S, p, root, r)`. Time: ceil(log2 p) *
-    (alpha + S * beta).
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    relative = (rank - root) % world
-    rounds = math.ceil(math.log2(world)) if world > 1 else 0
-    for k in range(rounds):
-        span = 1 << k
-        if relative < span and relative + span < world:
-            exchange([(tensor, (relative + span + root) % world)], [], traffic)
-        elif span <= relative < 2 * span:
-            exchange([], [(tensor, (relative - span + root) % world)], traffic)
-    return rounds
-
-
-def recursive_doubling_all_reduce(tensor: torch.Tensor, traffic: Traffic | None = None) -> torch.Tensor:
-    """All-reduce (sum) by recursive doubling: in round k, rank r swaps its whole partial sum
-    with rank r XOR 2^k and adds. log2(p) rounds when p is a power of two.
-
-    Other p: with q = the largest power of two <= p, ranks q..p-1 first fold their data into
-    ranks 0..p-q-1, the q ranks double, and the result is sent back. Every rank ends with
-    bitwise-identical sums (a + b == b + a in IEEE arithmetic). Bytes per rank: log2(q) * S
-    (+ S on a rank that folds or is folded into): latency-optimal, not bandwidth-optimal.
-    Time (p a power of two): log2(p) * (alpha + S * beta). Returns a new tensor.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    flat = tensor.reshape(-1).clone()
-    power = 1 << (world.bit_length() - 1)
-    partner_buffer = torch.empty_like(flat)
-    if rank >= power:  # fold into rank - power, then wait for the answer
-        exchange([(flat, rank - power)], [], traffic)
-        exchange([], [(flat, rank - power)], traffic)
-        return flat.reshape(tensor.shape)
-    if rank + power < world:
-        exchange([], [(partner_buffer, rank + power)], traffic)
-        flat += partner_buffer
-    span = 1
-    while span < power:
-        exchange([(flat, rank ^ span)], [(partner_buffer, rank ^ span)], traffic)
-        flat += partner_buffer
-        span <<= 1
-    if rank + power < world:
-        exchange([(flat, rank + power)], [], traffic)
-    return flat.reshape(tensor.shape)
-
-
-# ============================================================================ 6. all-to-all
+# ============================================================================ 5. all-to-all
 
 
 # exercise all-to-all (4 points): All-to-all with uneven, unknown counts
@@ -331,7 +271,7 @@ def all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int
     return out
 
 
-# ============================================================================ 7. the formulas
+# ============================================================================ 6. the formulas
 
 
 def ring_bytes_sent(numel: int, itemsize: int, world_size: int, rank: int) -> dict[str, int]:
@@ -356,26 +296,6 @@ def ring_all_reduce_bytes_formula(size_bytes: float, world_size: int) -> float:
     return 2 * (world_size - 1) / world_size * size_bytes
 
 
-def tree_broadcast_bytes_sent(size_bytes: int, world_size: int, root: int, rank: int) -> int:
-    """Bytes rank `rank` sends in `tree_broadcast`: S for every round k with v < 2^k and
-    v + 2^k < p (v the relative rank). Summed over ranks: (p-1) * S."""
-    relative = (rank - root) % world_size
-    rounds = math.ceil(math.log2(world_size)) if world_size > 1 else 0
-    sends = sum(1 for k in range(rounds) if relative < (1 << k) and relative + (1 << k) < world_size)
-    return sends * size_bytes
-
-
-def recursive_doubling_bytes_sent(size_bytes: int, world_size: int, rank: int) -> int:
-    """Bytes rank `rank` sends in `recursive_doubling_all_reduce`: log2(q) * S for the q
-    doubling ranks (q the largest power of two <= p), one more S for a rank that sends the
-    result back to a folded rank, exactly S for a folded rank."""
-    power = 1 << (world_size.bit_length() - 1)
-    if rank >= power:
-        return size_bytes
-    sends = int(math.log2(power)) + (1 if rank + power < world_size else 0)
-    return sends * size_bytes
-
-
 def all_to_all_bytes_sent(send_counts: list[int], row_bytes: int, rank: int,
                           counts_exchanged: bool = False) -> int:
     """Bytes rank `rank` sends in `all_to_all`: every block but its own, plus 8 bytes to each
@@ -390,8 +310,8 @@ def alpha_beta_seconds(collective: str, size_bytes: float, world_size: int, alph
     """The alpha-beta model (alpha = seconds per message, beta = seconds per byte).
 
     ring_all_reduce: 2(p-1) a + 2(p-1)/p S b;  ring_reduce_scatter / ring_all_gather /
-    all_to_all: (p-1) a + (p-1)/p S b;  recursive_doubling (p a power of two):
-    log2(p) (a + S b);  tree_broadcast: ceil(log2 p) (a + S b).
+    all_to_all: (p-1) a + (p-1)/p S b;  and latency_optimal.py's recursive_doubling (p a
+    power of two): log2(p) (a + S b);  tree_broadcast: ceil(log2 p) (a + S b).
     """
     p = world_size
     if collective == "ring_all_reduce":

@@ -11,7 +11,7 @@ hits every variant alike:
 * bucketed, at each cap of the sweep (`BucketedDDP`): all-reduces launched during backward;
 * torch DDP at the first cap of the sweep.
 
-Next to each measured median step time stands the cost model's prediction from the measured
+Next to each measured median step time stands cost_model.py's prediction from the measured
 parts (`step_time_after_backward`, `step_time_overlapped`, every bucket's all-reduce timed
 alone). On a GPU every mark is a CUDA event on the current stream, read after
 torch.cuda.synchronize (a host clock would only see asynchronous work being queued); on a CPU,
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from lessons._checks import synchronize
 from lessons._launch import RankContext, is_reporting_rank, launch
 
+from . import cost_model
 from . import main as data_parallel
 from .checks import make_optimizer, shard_of_step, torch_ddp
 
@@ -159,14 +160,14 @@ def bench_worker(ctx: RankContext, width: int, steps: int, caps_bytes: list[int]
                "buckets": {"local": 0, "flat": 1}.get(kind, len(data_parallel.assign_buckets(params, cap))),
                "exposed_ms": None}
         if kind == "flat":
-            row["predicted_ms"] = data_parallel.step_time_after_backward(t_fwd, t_bwd, t_all, t_opt) * 1e3
+            row["predicted_ms"] = cost_model.step_time_after_backward(t_fwd, t_bwd, t_all, t_opt) * 1e3
             row["exposed_ms"] = median(name, "after_backward_s") * 1e3
         if kind == "bucketed":
             bucket_numels = [sum(params[i].numel() for i in bucket) for bucket in wrapped.buckets]
             ready = [statistics.median(s["launch_s"][i] for s in samples[name])
                      for i in range(len(bucket_numels))]
             alone = [all_reduce_seconds(n, ctx.device, repeats) for n in bucket_numels]
-            row["predicted_ms"] = data_parallel.step_time_overlapped(t_fwd, t_bwd, ready, alone, t_opt) * 1e3
+            row["predicted_ms"] = cost_model.step_time_overlapped(t_fwd, t_bwd, ready, alone, t_opt) * 1e3
             row["exposed_ms"] = statistics.median(
                 s["reduced_s"][-1] - s["backward_end_s"] for s in samples[name]) * 1e3
             typical = sorted(samples[name], key=lambda s: s["step_s"])[len(samples[name]) // 2]

@@ -1,17 +1,17 @@
 """Lesson 02: data parallelism (DDP), from a naive loop to bucketed, overlapped all-reduce.
 
 Same model on every rank, a different slice of the batch on every rank, one averaged gradient.
-The story, top to bottom:
-
+main.py, top to bottom:
 1. The model and its data: `make_model`, `global_batch`, and `local_shard` (rank r's rows).
 2. The same start: `broadcast_parameters_and_buffers` (rank 0's copy wins).
-3. Naive DDP: after backward, all-reduce every gradient on its own and divide by p.
-4. Flat DDP: one all-reduce of all gradients concatenated (the latency paid once, not per tensor).
-5. Buckets: `assign_buckets_by_size` groups gradients in reverse parameter order under a byte cap.
-6. `BucketedDDP`: autograd hooks mark gradients ready; each full bucket starts an asynchronous
+3. Naive DDP: after backward, all-reduce every gradient on its own and divide by p. Then flat
+   DDP: one all-reduce of all gradients concatenated (the latency paid once, not per tensor).
+4. Buckets: `assign_buckets_by_size` groups gradients in reverse parameter order under a byte cap.
+5. `BucketedDDP`: autograd hooks mark gradients ready; each full bucket starts an asynchronous
    all-reduce, in bucket order, while backward goes on; the end of backward waits for them.
    `no_sync()` turns communication off for gradient accumulation.
-7. The cost model: bytes per rank, how many buckets, the step time with and without overlap.
+Then cost_model.py: bytes per rank, how many all-reduces (buckets), and the step time with
+and without overlap.
 
 The proof (a single process and torch's DistributedDataParallel) is in checks.py, the
 benchmark in bench.py. Run: `python lessons/02_data_parallel/main.py --world-size 4`.
@@ -20,8 +20,6 @@ benchmark in bench.py. Run: `python lessons/02_data_parallel/main.py --world-siz
 from __future__ import annotations
 
 import contextlib
-import importlib
-import math
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -33,8 +31,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-collectives = importlib.import_module("lessons.01_collectives.main")  # lesson 01's technique
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 1024 * 1024  # torch DDP's bucket_cap_mb default: 25 MiB
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES: 1 MiB
@@ -103,7 +99,7 @@ def broadcast_parameters_and_buffers(module: nn.Module, src: int = 0) -> None:
             dist.broadcast(tensor, src)
 
 
-# ============================================================================ 3. naive
+# ============================================================================ 3. naive, then flat
 
 
 # exercise average-gradients (3 points): The averaged gradient: per tensor, then one flat buffer
@@ -128,9 +124,6 @@ def naive_all_reduce_gradients(module: nn.Module) -> int:
     return launched
 
 
-# ============================================================================ 4. flat
-
-
 # exercise average-gradients (continued)
 def flat_all_reduce_gradients(module: nn.Module) -> int:
     """Call after backward, on every rank. Concatenate every gradient (the parameters whose
@@ -152,7 +145,7 @@ def flat_all_reduce_gradients(module: nn.Module) -> int:
     return 1
 
 
-# ============================================================================ 5. buckets
+# ============================================================================ 4. buckets
 
 
 # exercise bucket-assignment (3 points): Buckets by size, in gradient order, closed at the cap
@@ -198,7 +191,7 @@ def assign_buckets(params: list[nn.Parameter], cap_bytes: int,
                                   first_cap_bytes)
 
 
-# ============================================================================ 6. bucketed + overlapped
+# ============================================================================ 5. bucketed + overlapped
 
 
 class BucketedDDP(nn.Module):
@@ -218,12 +211,9 @@ class BucketedDDP(nn.Module):
     0, 1, ..., n-1, as torch DDP does). The first hook of a backward queues an autograd-engine
     callback that runs when backward ends: it waits for every bucket, divides by p and copies
     the averages into .grad. As in torch DDP, whether a backward synchronises is decided in
-    `forward`, from `require_backward_grad_sync` (which `no_sync()` turns off).
-
-    Who does what: `forward` and `no_sync` decide, per forward, whether its backward
-    communicates, store that in `self._sync_this_backward` and reset the bookkeeping with
-    `_start_backward()`; the hooks (`_make_hook`, `_launch`, `_finish`) communicate, reading
-    only that decision and the bookkeeping.
+    `forward`, from `require_backward_grad_sync` (which `no_sync()` turns off), and stored in
+    `self._sync_this_backward`: the hooks (`_make_hook`, `_launch`, `_finish`) read only that
+    decision and the bookkeeping of `_start_backward()`.
 
     Cost per synchronised backward: len(self.buckets) all-reduces, 2(p-1)/p x Psi x b bytes
     sent per rank in all, one copy of each gradient into its bucket and back. Rank 0's buffers
@@ -251,14 +241,11 @@ class BucketedDDP(nn.Module):
             param.register_post_accumulate_grad_hook(self._make_hook(index))
 
     def _start_backward(self) -> None:
-        """The bookkeeping of one backward: `_pending[b]` the indices of bucket b whose
-        gradient is not ready yet, `_next_bucket` the next bucket to launch, `_inflight` the
-        launched (bucket, flat buffer, work) in launch order, `_callback_queued` whether
-        `_finish` is queued for the end of this backward."""
-        self._pending = [set(bucket) for bucket in self.buckets]  # gradients not ready yet
-        self._next_bucket = 0  # buckets launch strictly in index order
-        self._inflight: list[tuple[int, torch.Tensor, dist.Work]] = []
-        self._callback_queued = False
+        """The bookkeeping of one backward, reset by every forward."""
+        self._pending = [set(bucket) for bucket in self.buckets]  # [b]: not ready yet in bucket b
+        self._next_bucket = 0  # the next bucket to launch: strictly in index order
+        self._inflight: list[tuple[int, torch.Tensor, dist.Work]] = []  # (bucket, flat, work)
+        self._callback_queued = False  # is `_finish` queued for the end of this backward?
 
     def _notify(self, kind: str, bucket: int) -> None:
         if self.on_event is not None:
@@ -363,60 +350,6 @@ class BucketedDDP(nn.Module):
                 offset += grad.numel()
             self._notify("reduced", bucket)
         self._inflight = []
-
-
-# ============================================================================ 7. the cost model
-
-
-def ddp_bytes_per_rank(num_params: float, bytes_per_param: int, world_size: int) -> float:
-    """Bytes each rank sends per step to all-reduce the gradient with a ring (lesson 01):
-    2(p-1)/p x Psi x b, the same for the naive, flat and bucketed variants."""
-    return collectives.ring_all_reduce_bytes_formula(num_params * bytes_per_param, world_size)
-
-
-def count_buckets(sizes_bytes: list[int], cap_bytes: int, first_cap_bytes: int | None = None) -> int:
-    """How many all-reduces (one per bucket) a backward launches: exactly
-    len(assign_buckets_by_size(...)); see `bucket_count_bound` for the closed form."""
-    return len(assign_buckets_by_size(sizes_bytes, cap_bytes, first_cap_bytes))
-
-
-def bucket_count_bound(total_bytes: int, cap_bytes: int, num_tensors: int) -> int:
-    """An upper bound on `count_buckets` under the close-at-cap rule:
-    n <= min(ceil(Psi b / cap), n_tensors). Every closed bucket holds at least the cap and an
-    open last one is not empty; big tensors make the count smaller (the README's example: 3
-    buckets where the bound is 13)."""
-    return min(math.ceil(total_bytes / cap_bytes), num_tensors) if num_tensors else 0
-
-
-def step_time_after_backward(t_forward: float, t_backward: float, t_all_reduce: float,
-                             t_optimizer: float) -> float:
-    """Step time when the gradient is all-reduced after backward (naive, flat): nothing hides
-    the communication. T = T_fwd + T_bwd + T_AR(all) + T_opt (seconds)."""
-    return t_forward + t_backward + t_all_reduce + t_optimizer
-
-
-def all_reduces_end(ready_s: list[float], all_reduce_s: list[float]) -> float:
-    """When the last bucket's all-reduce ends (seconds after backward starts), with bucket i
-    ready at r_i and taking A_i alone, launched in index order and run one at a time:
-    start_i = max(r_i, end_{i-1}), end_i = start_i + A_i; so end_last = max_i (r_i + sum_{j>=i} A_j)."""
-    end = 0.0
-    for ready, seconds in zip(ready_s, all_reduce_s):
-        end = max(ready, end) + seconds
-    return end
-
-
-def step_time_overlapped(t_forward: float, t_backward: float, ready_s: list[float],
-                         all_reduce_s: list[float], t_optimizer: float) -> float:
-    """Step time of bucketed, overlapped DDP:
-    T = T_fwd + max(T_bwd, end_last) + T_opt, end_last from `all_reduces_end`.
-    The last bucket is ready only when backward ends (r_last = T_bwd), so
-    T >= T_fwd + max(T_bwd + A_last, r_0 + sum_i A_i) + T_opt: the last bucket is always exposed,
-    and forward and the optimizer step hide nothing (no gradient exists before backward, and
-    the step needs every average).
-    Assumes all-reduces run one at a time (one communication stream) at their stand-alone speed,
-    and communication does not slow computation (on a GPU it shares memory bandwidth and SMs,
-    on a CPU the cores)."""
-    return t_forward + max(t_backward, all_reduces_end(ready_s, all_reduce_s)) + t_optimizer
 
 
 if __name__ == "__main__":  # the checks, the report and the CLI: checks.py

@@ -2,10 +2,11 @@
 collective against torch.distributed on 1, 2, 3 and 5 ranks, torchrun (one node and two on
 loopback), and the failure paths the docs promise.
 
-Learner mode: each exercise of main.py (`# exercise ...` markers) has its own test class,
-tagged with `exercise(...)`, whose ranks call only that exercise's function (the all-gather
-gathers chunks torch reduce-scattered; the all-reduce, a composition, uses both rings), so a
-wrong reduce-scatter fails `ring-reduce-scatter` and not the broadcast. Each class launches
+Learner mode: each exercise of main.py and latency_optimal.py (`# exercise ...` markers) has
+its own test class, tagged with `exercise(...)`, whose ranks call only that exercise's
+function (the all-gather gathers chunks torch reduce-scattered; the all-reduce, a
+composition, uses both rings), so a wrong reduce-scatter fails `ring-reduce-scatter` and not
+the broadcast. Each class launches
 its ranks once per world size with a short deadline: a hung exercise fails in seconds.
 Untagged tests (formulas, docs numbers, the demo's checks, torchrun, the CLI) are the lesson's
 "integration" criterion."""
@@ -29,6 +30,7 @@ from lessons._report import merge_rank_checks
 from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
 M = importlib.import_module("lessons.01_collectives.main")  # the technique
+L = importlib.import_module("lessons.01_collectives.latency_optimal")  # its log2 p algorithms
 C = importlib.import_module("lessons.01_collectives.checks")  # the harness
 B = importlib.import_module("lessons.01_collectives.bench")  # the benchmark
 # Spawned ranks import their function by module name, so the workers live in a module with a
@@ -97,18 +99,18 @@ class TestChunksAndFormulas(unittest.TestCase):
     def test_tree_bytes_total_is_p_minus_1_times_s(self):
         for world in range(1, 17):
             for root in range(world):
-                total = sum(M.tree_broadcast_bytes_sent(100, world, root, rank)
+                total = sum(L.tree_broadcast_bytes_sent(100, world, root, rank)
                             for rank in range(world))
                 self.assertEqual(total, (world - 1) * 100)
             rounds = math.ceil(math.log2(world)) if world > 1 else 0
-            self.assertEqual(M.tree_broadcast_bytes_sent(100, world, 0, 0), rounds * 100)
+            self.assertEqual(L.tree_broadcast_bytes_sent(100, world, 0, 0), rounds * 100)
 
     def test_recursive_doubling_bytes(self):
-        self.assertEqual(M.recursive_doubling_bytes_sent(10, 8, 3), 30)
+        self.assertEqual(L.recursive_doubling_bytes_sent(10, 8, 3), 30)
         # p = 5: q = 4; rank 0 folds rank 4 in and sends the result back; rank 4 sends once
-        self.assertEqual([M.recursive_doubling_bytes_sent(10, 5, r) for r in range(5)],
+        self.assertEqual([L.recursive_doubling_bytes_sent(10, 5, r) for r in range(5)],
                          [30, 20, 20, 20, 10])
-        self.assertEqual(M.recursive_doubling_bytes_sent(10, 1, 0), 0)
+        self.assertEqual(L.recursive_doubling_bytes_sent(10, 1, 0), 0)
 
     def test_all_to_all_bytes(self):
         # equal blocks of a 4,000-byte buffer on 4 ranks: every block but our own, 3/4 * S
@@ -183,19 +185,19 @@ class TestChunksAndFormulas(unittest.TestCase):
 
 
 class TestDocNumbers(unittest.TestCase):
-    """Numbers the README and the quiz quote, recomputed from main.py (integers: the same on
-    every machine)."""
+    """Numbers the README and the quiz quote, recomputed from the technique (integers: the
+    same on every machine)."""
 
     def test_readme_worked_numbers_come_from_the_code(self):
         readme = (LESSON_DIR / "README.md").read_text()
         numbers = {
             "6,000": M.ring_all_reduce_bytes_formula(4000, 4),
-            "8,000": M.recursive_doubling_bytes_sent(4000, 4, 0),
-            "24,000": M.recursive_doubling_bytes_sent(4000, 64, 0),
+            "8,000": L.recursive_doubling_bytes_sent(4000, 4, 0),
+            "24,000": L.recursive_doubling_bytes_sent(4000, 64, 0),
             "7,875": M.ring_all_reduce_bytes_formula(4000, 64),
             "24,576": M.ring_bytes_sent(4096, 4, 4, 0)["all_reduce"],
             "6400 B": M.ring_bytes_sent(1000, 4, 5, 0)["all_reduce"],
-            "16,000": sum(M.tree_broadcast_bytes_sent(4000, 5, 4, r) for r in range(5)),
+            "16,000": sum(L.tree_broadcast_bytes_sent(4000, 5, 4, r) for r in range(5)),
             "3,000": M.all_to_all_bytes_sent([250] * 4, 4, 0),
             "36,864": M.all_to_all_bytes_sent([1024] * 4, 12, 0),
             "126 alpha": M.alpha_beta_seconds("ring_all_reduce", 0, 64, 1.0, 0.0),
@@ -211,7 +213,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertGreaterEqual(len(numeric), 2)
         for question in numeric:
             spec = question["check"]
-            value = getattr(M, spec["function"])(**spec["kwargs"])
+            module = M if hasattr(M, spec["function"]) else L  # main.py first, as the course does
+            value = getattr(module, spec["function"])(**spec["kwargs"])
             if "index" in spec:
                 value = value[spec["index"]]
             value *= spec.get("scale", 1)

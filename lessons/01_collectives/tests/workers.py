@@ -1,9 +1,10 @@
 """Functions that lesson 01's tests run on spawned ranks (importable by their dotted name).
 
-One worker per exercise: each calls only its own exercise's function of main.py and checks it
-against torch.distributed (or an exact single-process reference), so a mistake in one
-exercise never fails another's tests (the all-reduce, a composition, uses both rings). The
-demo's worker (`suite_worker`) runs every check of checks.py: the integration criterion."""
+One worker per exercise: each calls only its own exercise's function (of main.py or
+latency_optimal.py) and checks it against torch.distributed (or an exact single-process
+reference), so a mistake in one exercise never fails another's tests (the all-reduce, a
+composition, uses both rings). The demo's worker (`suite_worker`) runs every check of
+checks.py: the integration criterion."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 M = importlib.import_module("lessons.01_collectives.main")  # the technique
+L = importlib.import_module("lessons.01_collectives.latency_optimal")  # its log2 p algorithms
 C = importlib.import_module("lessons.01_collectives.checks")  # the harness
 
 # (numel or shape, dtype) cases the ring exercises run on every world size: lengths 0, 1,
@@ -145,10 +147,10 @@ def broadcast_worker(ctx) -> list[dict]:
             ours = _input(rank, shape, dtype_name, 10 * root + seed, ctx.device)
             theirs = ours.clone()
             traffic = M.Traffic()
-            rounds = M.tree_broadcast(ours, root, traffic)
+            rounds = L.tree_broadcast(ours, root, traffic)
             dist.broadcast(theirs, root)
             size_bytes = ours.numel() * ours.element_size()
-            expected = M.tree_broadcast_bytes_sent(size_bytes, world, root, rank)
+            expected = L.tree_broadcast_bytes_sent(size_bytes, world, root, rank)
             results.append({
                 "case": f"root {root}, shape {shape} {dtype_name}",
                 "torch": _check(C.compare(ours, theirs, None)),

@@ -28,6 +28,7 @@ from lessons._testing import (
 )
 
 data_parallel = importlib.import_module("lessons.02_data_parallel.main")
+cost_model = importlib.import_module("lessons.02_data_parallel.cost_model")
 checks = importlib.import_module("lessons.02_data_parallel.checks")
 W = importlib.import_module("lessons.02_data_parallel.tests.workers")
 LESSON_DIR = Path(data_parallel.__file__).resolve().parent
@@ -76,8 +77,8 @@ class TestBuckets(unittest.TestCase):
                     self.assertGreaterEqual(sum(sizes[i] for i in bucket), cap)
                 for bucket in buckets:  # ...and closed with the parameter that reached it
                     self.assertLess(sum(sizes[i] for i in bucket[:-1]), cap)
-                self.assertLessEqual(data_parallel.count_buckets(sizes, cap),
-                                     data_parallel.bucket_count_bound(sum(sizes), cap, len(sizes)))
+                self.assertLessEqual(cost_model.count_buckets(sizes, cap),
+                                     cost_model.bucket_count_bound(sum(sizes), cap, len(sizes)))
 
     def test_same_as_torch_reducer(self):
         """torch's own rule (the C++ reducer's compute_bucket_assignment_by_size, called the way
@@ -117,8 +118,8 @@ class TestLocalShards(unittest.TestCase):
 
 class TestCostModel(unittest.TestCase):
     def test_bytes_formula(self):
-        self.assertEqual(data_parallel.ddp_bytes_per_rank(1000, 4, 4), 6000)
-        self.assertEqual(data_parallel.ddp_bytes_per_rank(1000, 4, 1), 0)
+        self.assertEqual(cost_model.ddp_bytes_per_rank(1000, 4, 4), 6000)
+        self.assertEqual(cost_model.ddp_bytes_per_rank(1000, 4, 1), 0)
 
     def test_fifo_end_is_the_max_over_suffixes(self):
         rng = random.Random(1)
@@ -127,7 +128,7 @@ class TestCostModel(unittest.TestCase):
             ready = sorted(rng.uniform(0, 10) for _ in range(n))
             alone = [rng.uniform(0, 5) for _ in range(n)]
             closed_form = max(ready[i] + sum(alone[i:]) for i in range(n))
-            self.assertAlmostEqual(data_parallel.all_reduces_end(ready, alone), closed_form)
+            self.assertAlmostEqual(cost_model.all_reduces_end(ready, alone), closed_form)
 
     def test_overlap_never_loses_and_keeps_the_last_bucket_exposed(self):
         rng = random.Random(2)
@@ -136,15 +137,15 @@ class TestCostModel(unittest.TestCase):
             t_fwd, t_bwd, t_opt = (rng.uniform(0.1, 10) for _ in range(3))
             ready = sorted(rng.uniform(0, t_bwd) for _ in range(n - 1)) + [t_bwd]
             alone = [rng.uniform(0, 5) for _ in range(n)]
-            overlapped = data_parallel.step_time_overlapped(t_fwd, t_bwd, ready, alone, t_opt)
-            after = data_parallel.step_time_after_backward(t_fwd, t_bwd, sum(alone), t_opt)
+            overlapped = cost_model.step_time_overlapped(t_fwd, t_bwd, ready, alone, t_opt)
+            after = cost_model.step_time_after_backward(t_fwd, t_bwd, sum(alone), t_opt)
             self.assertLessEqual(overlapped, after + 1e-12)
             bound = t_fwd + max(t_bwd + alone[-1], ready[0] + sum(alone)) + t_opt
             self.assertGreaterEqual(overlapped, bound - 1e-12)
 
     def test_one_bucket_at_the_end_is_no_overlap(self):
-        self.assertAlmostEqual(data_parallel.step_time_overlapped(10, 30, [30], [45], 5),
-                               data_parallel.step_time_after_backward(10, 30, 45, 5))
+        self.assertAlmostEqual(cost_model.step_time_overlapped(10, 30, [30], [45], 5),
+                               cost_model.step_time_after_backward(10, 30, 45, 5))
 
 
 class TestDocNumbers(unittest.TestCase):
@@ -156,19 +157,19 @@ class TestDocNumbers(unittest.TestCase):
         self.assertEqual(sum(sizes), params * 4)
         self.assertIn(f"Psi = {params:,} float32", README)
         self.assertIn(f"{params * 4 / 1e6:.1f} MB of gradient", README)
-        self.assertIn(f"{data_parallel.ddp_bytes_per_rank(params, 4, 4) / 1e6:.1f} MB per step", README)
+        self.assertIn(f"{cost_model.ddp_bytes_per_rank(params, 4, 4) / 1e6:.1f} MB per step", README)
         bound = -(-sum(sizes) // MiB)
         self.assertEqual(bound, 13)
         self.assertIn(f"ceil(Psi x b / cap) = {bound} is only", README)
-        self.assertEqual(data_parallel.count_buckets(sizes, MiB), 3)
+        self.assertEqual(cost_model.count_buckets(sizes, MiB), 3)
         self.assertIn("exactly 3 buckets per step", README)
-        self.assertEqual(data_parallel.bucket_count_bound(sum(sizes), MiB, len(sizes)), 6)
+        self.assertEqual(cost_model.bucket_count_bound(sum(sizes), MiB, len(sizes)), 6)
 
     def test_time_worked_example(self):
         ready, alone = [10, 20, 30], [15, 15, 15]
-        self.assertEqual(data_parallel.step_time_after_backward(10, 30, 45, 5), 90)
-        self.assertEqual(data_parallel.all_reduces_end(ready, alone), 55)
-        self.assertEqual(data_parallel.step_time_overlapped(10, 30, ready, alone, 5), 70)
+        self.assertEqual(cost_model.step_time_after_backward(10, 30, 45, 5), 90)
+        self.assertEqual(cost_model.all_reduces_end(ready, alone), 55)
+        self.assertEqual(cost_model.step_time_overlapped(10, 30, ready, alone, 5), 70)
         self.assertIn("10 + 30 + 45 + 5 = 90 ms", README)
         self.assertIn("max(10 + 45, 20 + 30, 30 + 15) = 55 ms", README)
         self.assertIn("T = 10 + max(30, 55) + 5 = 70 ms: 25 ms", README)
@@ -186,7 +187,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertGreaterEqual(len(numeric), 2)
         for question in numeric:
             spec = question["check"]
-            value = getattr(data_parallel, spec["function"])(**spec["kwargs"]) * spec.get("scale", 1)
+            module = data_parallel if hasattr(data_parallel, spec["function"]) else cost_model
+            value = getattr(module, spec["function"])(**spec["kwargs"]) * spec.get("scale", 1)
             with self.subTest(question=question["id"]):
                 self.assertLessEqual(abs(value - question["answer"]), question["tolerance"] + 1e-9)
 
