@@ -29,8 +29,8 @@ from lessons._checks import tensor_digest
 from lessons._launch import RankContext, inject_fault, is_reporting_rank, launch, under_torchrun
 from lessons._report import Check, Report, check_args, finish, float_in, int_in, lesson_parser
 
+from . import flops, nd, nd_checks, planner_checks
 from . import main as capstone
-from . import nd, nd_checks, planner_checks
 
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # lesson 06's technique
 
@@ -110,7 +110,7 @@ def train_worker(ctx: RankContext, config: dict, layout: dict | None, ckpt_dir: 
     with bar:
         run = capstone.train(trainer, data[:split], data[split:], checkpointer, after_step)
     if layout is None:
-        model, n_matmul = trainer.model, capstone.matmul_params(trainer.model)
+        model, n_matmul = trainer.model, flops.matmul_params(trainer.model)
         replica = {"key": "all", "sha256": tensor_digest(dict(trainer.named))}
     else:  # the ranks that differ only in dp or cp hold the same stage weights
         model = trainer.dense_model()
@@ -120,7 +120,7 @@ def train_worker(ctx: RankContext, config: dict, layout: dict | None, ckpt_dir: 
     result = {"rank": ctx.rank, "param_sha256": tensor_digest(dict(model.named_parameters())),
               "replica": replica, "resumed_from": resumed_from}
     if ctx.rank == 0:
-        per_token = capstone.flops_per_token(n_matmul, config.layers, config.hidden, config.seq)
+        per_token = flops.flops_per_token(n_matmul, config.layers, config.hidden, config.seq)
         on_gpu = ctx.device.type == "cuda"
         result.update(run, params=count_params(model), vocab=vocab,
                       flops_per_token=per_token,
@@ -134,14 +134,14 @@ def mfu_metric(tokens_per_s: float | None, per_token: int, world: int,
                device_name: str) -> tuple[float | None, str | None]:
     """(MFU, warning): MFU against the peak table on a listed GPU; None on CPU (no warning:
     there is no peak to divide by) and None with a one-line warning naming any other device."""
-    peak = capstone.peak_flops_for(device_name)
+    peak = flops.peak_flops_for(device_name)
     warning = None
     if peak is None and device_name != "cpu":
         warning = (f"warning: no datasheet peak for {device_name!r} in DEVICE_PEAK_FLOPS: MFU is "
                    "null (add the device's dense bf16 peak, with its source, to report one)")
     if tokens_per_s is None:
         return None, warning
-    return capstone.mfu(tokens_per_s, per_token, world, peak), warning
+    return flops.mfu(tokens_per_s, per_token, world, peak), warning
 
 
 def plot_losses(result: dict, path: Path) -> None:

@@ -34,6 +34,7 @@ from lessons._launch import WorkerError
 from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
 M = importlib.import_module("lessons.13_capstone.main")  # the technique
+flops = importlib.import_module("lessons.13_capstone.flops")  # its cost model
 C = importlib.import_module("lessons.13_capstone.checks")  # the harness and CLI
 MAIN = Path(M.__file__)
 ROOT = MAIN.resolve().parents[2]
@@ -95,16 +96,16 @@ class TestPieces(unittest.TestCase):
 
     def test_device_peaks_match_whole_names_only(self):
         # the names torch.cuda.get_device_name() reports (NVIDIA's driver README)
-        self.assertEqual(M.peak_flops_for("NVIDIA H100 80GB HBM3"), 989e12)
-        self.assertEqual(M.peak_flops_for("NVIDIA H100 PCIe"), 756e12)
-        self.assertEqual(M.peak_flops_for("NVIDIA H100 NVL"), 835e12)
-        self.assertEqual(M.peak_flops_for("NVIDIA H200"), 989e12)
-        self.assertEqual(M.peak_flops_for("NVIDIA A100-SXM4-80GB"), 312e12)
-        self.assertEqual(M.peak_flops_for("NVIDIA A100 80GB PCIe"), 312e12)
+        self.assertEqual(flops.peak_flops_for("NVIDIA H100 80GB HBM3"), 989e12)
+        self.assertEqual(flops.peak_flops_for("NVIDIA H100 PCIe"), 756e12)
+        self.assertEqual(flops.peak_flops_for("NVIDIA H100 NVL"), 835e12)
+        self.assertEqual(flops.peak_flops_for("NVIDIA H200"), 989e12)
+        self.assertEqual(flops.peak_flops_for("NVIDIA A100-SXM4-80GB"), 312e12)
+        self.assertEqual(flops.peak_flops_for("NVIDIA A100 80GB PCIe"), 312e12)
         for unknown in ("NVIDIA L4", "NVIDIA L40S", "NVIDIA H200 NVL", "NVIDIA H100", "H100",
                         "NVIDIA H100 80GB HBM3 (MIG 1g.10gb)", "cpu", ""):
             with self.subTest(name=unknown):
-                self.assertIsNone(M.peak_flops_for(unknown))
+                self.assertIsNone(flops.peak_flops_for(unknown))
 
     def test_an_unknown_gpu_gets_a_null_mfu_and_one_warning_line(self):
         value, warning = C.mfu_metric(1e6, 1_000_000, 8, "NVIDIA L40S")
@@ -113,7 +114,7 @@ class TestPieces(unittest.TestCase):
         self.assertEqual(len(warning.splitlines()), 1)
         self.assertEqual(C.mfu_metric(1e6, 1_000_000, 8, "cpu"), (None, None))
         value, warning = C.mfu_metric(1e6, 1_000_000, 8, "NVIDIA H100 NVL")
-        self.assertEqual(value, M.mfu(1e6, 1_000_000, 8, 835e12))  # the formula: TestCostModel
+        self.assertEqual(value, flops.mfu(1e6, 1_000_000, 8, 835e12))  # the formula: TestCostModel
         self.assertIsNone(warning)
 
 
@@ -155,24 +156,24 @@ class TestDecayGroups(unittest.TestCase):
 @exercise("flops-mfu")
 class TestCostModel(unittest.TestCase):
     def test_flops_per_token_is_6n_plus_attention(self):
-        self.assertEqual(M.flops_per_token(10, 0, 64, 128), 60, "6N: 2N forward + 4N backward")
-        self.assertEqual(M.flops_per_token(1000, 2, 64, 128), 6000 + 12 * 2 * 64 * 128)
-        gpt2 = M.flops_per_token(124_000_000, 12, 768, 1024)  # the README's worked example
+        self.assertEqual(flops.flops_per_token(10, 0, 64, 128), 60, "6N: 2N forward + 4N backward")
+        self.assertEqual(flops.flops_per_token(1000, 2, 64, 128), 6000 + 12 * 2 * 64 * 128)
+        gpt2 = flops.flops_per_token(124_000_000, 12, 768, 1024)  # the README's worked example
         self.assertEqual(round(gpt2 / 1e6), 857)
 
     def test_matmul_params_leave_out_the_position_table(self):
         model = M.memory.TinyGPT(58, 64, 4, 2, 64)  # the demo's model: README, "The math"
-        self.assertEqual(M.matmul_params(model), 103_808)
+        self.assertEqual(flops.matmul_params(model), 103_808)
         small = M.memory.TinyGPT(16, 16, 2, 1, 8)
-        self.assertEqual(M.matmul_params(small),
+        self.assertEqual(flops.matmul_params(small),
                          sum(p.numel() for p in small.parameters()) - 8 * 16)
 
     def test_mfu_divides_by_every_rank_s_peak(self):
-        self.assertAlmostEqual(M.mfu(1e6, 1_000_000, 2, 989e12), 1e12 / (2 * 989e12), delta=1e-15)
-        self.assertAlmostEqual(M.mfu(1e6, 1_000_000, 1, 989e12), 1e12 / 989e12, delta=1e-15)
-        self.assertIsNone(M.mfu(1e6, 1000, 1, None))
+        self.assertAlmostEqual(flops.mfu(1e6, 1_000_000, 2, 989e12), 1e12 / (2 * 989e12), delta=1e-15)
+        self.assertAlmostEqual(flops.mfu(1e6, 1_000_000, 1, 989e12), 1e12 / 989e12, delta=1e-15)
+        self.assertIsNone(flops.mfu(1e6, 1000, 1, None))
         gpt2 = 6 * 124_000_000 + 12 * 12 * 768 * 1024
-        self.assertEqual(round(100 * M.mfu(1e6, gpt2, 8, 989e12), 1), 10.8)  # README, "The math"
+        self.assertEqual(round(100 * flops.mfu(1e6, gpt2, 8, 989e12), 1), 10.8)  # README, "The math"
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -554,9 +555,9 @@ class TestDocNumbers(unittest.TestCase):
     def test_sizes_and_flops(self):
         self.assertIn(f"**{self.metrics['params']:,}** parameters", README)
         self.assertIn(f"**{self.metrics['flops_per_token']:,}** FLOPs per character", README)
-        self.assertEqual(self.metrics["flops_per_token"], M.flops_per_token(103_808, 2, 64, 64))
+        self.assertEqual(self.metrics["flops_per_token"], flops.flops_per_token(103_808, 2, 64, 64))
         # the worked GPT-2 example (857M FLOPs per token, 10.8% MFU): TestCostModel
-        self.assertEqual(M.peak_flops_for("NVIDIA H100 80GB HBM3"), 989e12)
+        self.assertEqual(flops.peak_flops_for("NVIDIA H100 80GB HBM3"), 989e12)
         self.assertEqual(M.micro_batch_size(16, 2, 2), 4)  # "2 ranks x 2 micro-batches of 4"
 
     def test_no_weights_digest_is_quoted(self):
