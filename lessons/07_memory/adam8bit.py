@@ -2,7 +2,7 @@
 
 Adam's m and v are 8 of a mixed-precision step's 16 bytes per parameter. Dettmers et al. ("8-bit
 Optimizers via Block-wise Quantization") store each as one byte per value plus one fp32 absmax
-per block of B values, 2(n + 4n/B) bytes instead of 8n, and train as well:
+per block of B values, 2(n + 4n/B) bytes instead of 8n (checks.py trains with both):
 
 1. `dynamic_codebook`: at most 256 values in [-1, 1] or [0, 1], dense near zero;
 2. `quantize_blockwise` / `dequantize_blockwise`: one absmax per block, the nearest code;

@@ -5,17 +5,15 @@ The technique in three files, in reading order. This one, main.py, measures and 
 1. `MemoryTracker`: a TorchDispatchMode that sees every storage an operator creates, follows it
    with a weak reference until it is freed, and files its bytes under parameter, gradient,
    optimizer, activation or temporary. It keeps the peak and what was live at the peak.
-2. Model states: fp32 Adam and mixed-precision Adam cost 16 bytes per parameter; an fp32
-   gradient accumulator adds 4 more while the 16-bit gradient also lives (20), 2 more once the
-   16-bit gradient is freed as soon as it is added in (18, Megatron's `main_grad`).
+2. Model states: bytes per parameter of each recipe (16 for fp32 or mixed-precision Adam, 18
+   or 20 with Megatron's fp32 `main_grad`, about 10 with 8-bit Adam).
 3. Activations: a transformer layer written op for op as Korthikanti et al. count it keeps
    sbh(34 + 5as/h) bytes in 16-bit (plus LayerNorm's statistics); the cost model of a step.
 4. Recomputation: `TinyGPT(recompute=True)` keeps each layer's input and replays its forward.
 
-Then the two other ways to shrink a step, each in its own file:
-mixed_precision.py: `MixedPrecisionAdam` (fp32 master weights, Megatron's fp32 main_grad) and
-   why fp16 needs loss scaling: `DynamicLossScaler`, with GradScaler's rules;
-adam8bit.py: `Adam8bit`, block-wise 8-bit optimizer states (one absmax per block).
+mixed_precision.py: 16-bit training's fp32 master weights (`MixedPrecisionAdam`) and why fp16
+needs loss scaling (`DynamicLossScaler`, with GradScaler's rules). adam8bit.py: `Adam8bit`,
+block-wise 8-bit optimizer states (one absmax per block).
 
 The proof (torch's MemTracker and GradScaler as references, the measurements, the CLI) is in
 checks.py. Run: `python lessons/07_memory/main.py`.
