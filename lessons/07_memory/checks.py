@@ -1,4 +1,5 @@
-"""Lesson 07's proof: the technique in main.py against PyTorch's own tools, and measured.
+"""Lesson 07's proof: the technique (main.py, mixed_precision.py, adam8bit.py) against
+PyTorch's own tools, and measured.
 
 * the tracker against torch.distributed._tools MemTracker (the same step, the same bytes);
 * bytes per parameter measured for each recipe; the activation formula measured op by op;
@@ -21,6 +22,7 @@ import torch.nn as nn
 from lessons._launch import RankContext, inject_fault, launch
 from lessons._report import Check, Report, check_args, finish, int_in, lesson_parser
 
+from . import adam8bit, mixed_precision
 from . import main as memory
 
 LESSON = "07_memory"
@@ -95,7 +97,7 @@ def measure_model_states(recipe: str, seed: int = 0) -> dict:
         if recipe == "fp32_adam":
             optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=False)
         else:
-            optimizer = memory.MixedPrecisionAdam(
+            optimizer = mixed_precision.MixedPrecisionAdam(
                 model.parameters(), fp32_accumulation=recipe != "mixed_adam",
                 free_model_grads=recipe == "mixed_adam_main_grad")
         memory.tracked_step(tracker, model, optimizer, batch)
@@ -169,7 +171,7 @@ def compare_with_grad_scaler(steps: int = 12, overflow_steps: tuple[int, ...] = 
     for name in ("ours", "torch"):
         model = make_mlp(seed)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = (memory.DynamicLossScaler(growth_interval=growth_interval) if name == "ours"
+        scaler = (mixed_precision.DynamicLossScaler(growth_interval=growth_interval) if name == "ours"
                   else torch.amp.GradScaler("cpu", growth_interval=growth_interval))
         generator = torch.Generator().manual_seed(seed)
         scales, skipped = [], []
@@ -258,8 +260,8 @@ def gpt_step_on_meta(layers: int, hidden: int, heads: int, vocab: int, seq: int,
 
 def make_optimizer(name: str, params, lr: float):
     return {"adam": lambda: torch.optim.Adam(params, lr=lr, foreach=False),
-            "adam32_ours": lambda: memory.Adam8bit(params, lr=lr, min_8bit_numel=math.inf),
-            "adam8bit": lambda: memory.Adam8bit(params, lr=lr)}[name]()
+            "adam32_ours": lambda: adam8bit.Adam8bit(params, lr=lr, min_8bit_numel=math.inf),
+            "adam8bit": lambda: adam8bit.Adam8bit(params, lr=lr)}[name]()
 
 
 def train_curve(optimizer_name: str, batches: list[tuple], hidden: int, heads: int, layers: int,
@@ -308,7 +310,7 @@ def compare_adam8bit(steps: int, hidden: int, heads: int, layers: int, seq: int,
     sizes = {name: optimizer_state_bytes(name, hidden, heads, layers, seq, seed)
              for name in ("adam", "adam8bit")}
     numels = sizes["adam"]["numels"]
-    big = [n for n in numels if n >= memory.MIN_8BIT_NUMEL]
+    big = [n for n in numels if n >= adam8bit.MIN_8BIT_NUMEL]
     tail = max(1, steps // 10)  # compare the mean of the last 10% of steps (less noise)
     final = {name: sum(run["losses"][-tail:]) / tail for name, run in runs.items()}
     ours_vs_torch = max(float((a - b).abs().max()) for a, b in
@@ -316,9 +318,9 @@ def compare_adam8bit(steps: int, hidden: int, heads: int, layers: int, seq: int,
     return {
         "state_bytes_32": sizes["adam"]["state_bytes"],
         "state_bytes_8": sizes["adam8bit"]["state_bytes"],
-        "state_bytes_8_formula": sum(memory.adam8bit_state_bytes(n) for n in numels),
+        "state_bytes_8_formula": sum(adam8bit.adam8bit_state_bytes(n) for n in numels),
         "reduction_total": 1 - sizes["adam8bit"]["state_bytes"] / sizes["adam"]["state_bytes"],
-        "reduction_quantized": 1 - sum(memory.adam8bit_state_bytes(n) for n in big) / (8 * sum(big)),
+        "reduction_quantized": 1 - sum(adam8bit.adam8bit_state_bytes(n) for n in big) / (8 * sum(big)),
         "quantized_fraction": sum(big) / sum(numels),
         "first_loss": runs["adam"]["losses"][0],
         "final_loss": final,
@@ -330,7 +332,7 @@ def compare_adam8bit(steps: int, hidden: int, heads: int, layers: int, seq: int,
 
 def block_saving(block: int, numel: int = 2 ** 30) -> float:
     """The 8-bit states' saving against two fp32 states on a large tensor: 1 - (2 + 8/B)/8."""
-    return 1 - memory.adam8bit_state_bytes(numel, block) / (8 * numel)
+    return 1 - adam8bit.adam8bit_state_bytes(numel, block) / (8 * numel)
 
 
 # ============================================================================ GPU cross-check
@@ -345,7 +347,7 @@ def cuda_cross_check(seed: int = 0) -> dict:
     device = torch.device("cuda")
     torch.manual_seed(seed)
     model = memory.TinyGPT(64, 256, 8, 4, 128).to(device=device, dtype=torch.bfloat16)
-    optimizer = memory.MixedPrecisionAdam(model.parameters())
+    optimizer = mixed_precision.MixedPrecisionAdam(model.parameters())
     batches = [tuple(t.to(device) for t in b) for b in memory.markov_batches(64, 128, 8, 2, seed)]
     model.loss(*batches[0]).backward()  # the warm-up step
     optimizer.step()

@@ -1,18 +1,19 @@
 """Lesson 07: where the memory of a training step goes, and four ways to shrink it.
 
-The story, top to bottom:
+The technique in three files, in reading order. This one, main.py, measures and models memory:
 
 1. `MemoryTracker`: a TorchDispatchMode that sees every storage an operator creates, follows it
    with a weak reference until it is freed, and files its bytes under parameter, gradient,
    optimizer, activation or temporary. It keeps the peak and what was live at the peak.
-2. Model states: fp32 Adam and mixed-precision Adam cost 16 bytes per parameter; an fp32
-   gradient accumulator adds 4 more while the 16-bit gradient also lives (20), 2 more once the
-   16-bit gradient is freed as soon as it is added in (18, Megatron's `main_grad`).
+2. Model states: bytes per parameter of each recipe (16 for fp32 or mixed-precision Adam, 18
+   or 20 with Megatron's fp32 `main_grad`, about 10 with 8-bit Adam).
 3. Activations: a transformer layer written op for op as Korthikanti et al. count it keeps
    sbh(34 + 5as/h) bytes in 16-bit (plus LayerNorm's statistics); the cost model of a step.
-4. Mixed precision: why fp16 needs loss scaling, and `DynamicLossScaler` with GradScaler's rules.
-5. Recomputation: `TinyGPT(recompute=True)` keeps each layer's input and replays its forward.
-6. `Adam8bit`: block-wise 8-bit optimizer states (one absmax per block, small tensors in 32-bit).
+4. Recomputation: `TinyGPT(recompute=True)` keeps each layer's input and replays its forward.
+
+mixed_precision.py: 16-bit training's fp32 master weights (`MixedPrecisionAdam`) and why fp16
+needs loss scaling (`DynamicLossScaler`, with GradScaler's rules). adam8bit.py: `Adam8bit`,
+block-wise 8-bit optimizer states (one absmax per block).
 
 The proof (torch's MemTracker and GradScaler as references, the measurements, the CLI) is in
 checks.py. Run: `python lessons/07_memory/main.py`.
@@ -71,8 +72,7 @@ class MemoryTracker(TorchDispatchMode):
         self.live: dict[int, Allocation] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.phase_name = "setup"
-        self.live_bytes = 0
-        self.peak_bytes = 0
+        self.live_bytes = self.peak_bytes = 0
         self.peak_live: list[Allocation] = []
         self._at_peak = False  # live set not yet copied into peak_live
 
@@ -213,49 +213,6 @@ def model_state_bytes_per_param(recipe: str) -> int:
             "mixed_adam_fp32_accum": 20, "mixed_adam8bit": 10}[recipe]
 
 
-class MixedPrecisionAdam:
-    """Adam for a 16-bit model: fp32 master weights updated by torch's Adam, copied back.
-
-    Why the master: a bf16 weight near 1 has 8 significant bits; an update smaller than half
-    its last place (2^-9 ~ 0.002 at 1.0) rounds away and is lost, however many steps add it.
-    With `fp32_accumulation`, `accumulate()` adds each 16-bit gradient into a persistent fp32
-    buffer (Megatron's main_grad); `free_model_grads` then frees the 16-bit .grad, as
-    Megatron's backward hook does (18 B/param instead of 20)."""
-
-    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-3,
-                 fp32_accumulation: bool = False, free_model_grads: bool = False) -> None:
-        self.params = list(params)
-        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
-        self.inner = torch.optim.Adam(self.master, lr=lr, foreach=False)
-        self.main_grads = [torch.zeros_like(m) for m in self.master] if fp32_accumulation else None
-        self.free_model_grads = free_model_grads
-        self.state = self.inner.state  # so optimizer_tensors() sees m and v
-
-    def accumulate(self) -> None:
-        """main_grad += .grad for every parameter (then .grad = None when freeing)."""
-        if self.main_grads is not None:
-            for buffer, param in zip(self.main_grads, self.params):
-                if param.grad is not None:
-                    buffer.add_(param.grad)
-                    if self.free_model_grads:
-                        param.grad = None
-
-    def step(self) -> None:
-        self.accumulate()
-        for index, (master, param) in enumerate(zip(self.master, self.params)):
-            master.grad = (self.main_grads[index] if self.main_grads is not None
-                           else param.grad.float())
-        self.inner.step()
-        for master, param in zip(self.master, self.params):
-            master.grad = None
-            with torch.no_grad():
-                param.copy_(master)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Everything this optimizer keeps between steps (filed as "optimizer" or "gradient")."""
-        return self.master + optimizer_tensors(self.inner)
-
-
 # ============================================================================ 3. activations
 
 
@@ -355,8 +312,7 @@ def gpt_param_count(layers: int, hidden: int, vocab: int, seq: int) -> int:
     return layers * (12 * hidden ** 2 + 13 * hidden) + vocab * hidden + seq * hidden + 2 * hidden
 
 
-# GPT-2 XL: the worked example in the README.
-GPT2_XL = {"layers": 48, "hidden": 1600, "heads": 25, "vocab": 50257, "seq": 1024}
+GPT2_XL = {"layers": 48, "hidden": 1600, "heads": 25, "vocab": 50257, "seq": 1024}  # README's example
 
 
 def training_memory(layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int = 1,
@@ -376,73 +332,7 @@ def training_memory(layers: int, hidden: int, heads: int, vocab: int, seq: int, 
             "logits_bytes": 2 * seq * batch * vocab}
 
 
-# ============================================================================ 4. mixed precision
-
-
-class DynamicLossScaler:
-    """Loss scaling from scratch, with torch.amp.GradScaler's rules and defaults.
-
-    fp16 keeps 5 exponent bits: a gradient at or below 2^-25 (~3e-8) rounds to 0. Scale the loss
-    by S so the gradients are S times larger, divide them by S before the step:
-    scale(loss) = loss x S; unscale_(opt): grad x (1/S) for every grad (1/S computed in float64,
-    applied in float32, as GradScaler does), found_inf = any grad not finite;
-    step(opt): the optimizer step, skipped when found_inf; update(): see its docstring.
-    """
-
-    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 2000) -> None:
-        self.scale_value = torch.tensor(init_scale, dtype=torch.float32)
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.clean_steps = growth_interval, 0
-        self.found_inf = False
-
-    # exercise loss-scaler (4 points): Dynamic loss scaling with GradScaler's rules
-    # hint: check isfinite before multiplying by 1/S; on overflow skip optimizer.step(), halve S and
-    #   reset the counter; grow S only when growth_interval clean steps have passed in a row
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """loss x S (in the loss's dtype): backward then produces gradients S times larger."""
-        return loss * self.scale_value.to(loss.dtype)
-
-    # exercise loss-scaler (continued)
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Every .grad of the optimizer's parameters x (1/S), in place, with 1/S computed in
-        float64 and rounded to float32 (GradScaler's arithmetic, so the weights match bitwise);
-        found_inf = True if any gradient holds an inf or a NaN (checked before scaling)."""
-        inv_scale = self.scale_value.double().reciprocal().float()
-        self.found_inf = False
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None:
-                    self.found_inf |= not bool(torch.isfinite(param.grad).all())
-                    param.grad.mul_(inv_scale)
-
-    # exercise loss-scaler (continued)
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale and step unless a gradient overflowed; True when the step was taken."""
-        self.unscale_(optimizer)
-        if not self.found_inf:
-            optimizer.step()
-        return not self.found_inf
-
-    # exercise loss-scaler (continued)
-    def update(self) -> None:
-        """After each step. An overflow (found_inf): S x backoff_factor and the clean-step
-        counter restarts at 0. Otherwise the counter grows by one; when it reaches
-        growth_interval, S x growth_factor and the counter restarts at 0."""
-        if self.found_inf:
-            self.scale_value = self.scale_value * self.backoff_factor
-            self.clean_steps = 0
-        else:
-            self.clean_steps += 1
-            if self.clean_steps == self.growth_interval:
-                self.scale_value = self.scale_value * self.growth_factor
-                self.clean_steps = 0
-
-    def get_scale(self) -> float:
-        return float(self.scale_value)
-
-
-# ============================================================================ 5. recomputation
+# ============================================================================ 4. recomputation
 
 
 class TinyGPT(nn.Module):
@@ -491,114 +381,6 @@ def markov_batches(vocab: int, seq: int, batch: int, steps: int, seed: int,
             tokens[:, t + 1] = successors[tokens[:, t], pick]
         batches.append((tokens[:, :-1], tokens[:, 1:]))
     return batches
-
-
-# ============================================================================ 6. 8-bit Adam
-
-BLOCK = 2048  # the paper's block size (Dettmers et al.); bitsandbytes' optimizers use 256
-MIN_8BIT_NUMEL = 4096  # smaller tensors keep 32-bit states: quantizing them saves few bytes
-
-
-def dynamic_codebook(signed: bool) -> torch.Tensor:
-    """Sorted values in [-1, 1] (signed) or [0, 1]: 0, and m x 2^-e for 8 mantissas m in
-    (0.5, 1] and exponents e = 0..14 (signed: 241 codes) or 0..30 (unsigned: 249 codes).
-    Dense near 0 like Dettmers' dynamic tree map: small normalized values keep ~3% precision."""
-    exponents = 15 if signed else 31
-    magnitudes = torch.tensor([2.0 ** -e * (1 - j / 16) for e in range(exponents) for j in range(8)])
-    values = torch.cat([magnitudes, -magnitudes, torch.zeros(1)]) if signed else \
-        torch.cat([magnitudes, torch.zeros(1)])
-    return values.sort().values
-
-
-CODEBOOKS = {True: dynamic_codebook(True), False: dynamic_codebook(False)}
-
-
-# exercise blockwise-quant (3 points): Block-wise 8-bit quantization for Adam's states
-# hint: F.pad to a multiple of B, .view(-1, B), one absmax per row (amax(dim=1));
-#   torch.bucketize against the midpoints of the codebook finds the nearest code
-def quantize_blockwise(x: torch.Tensor, signed: bool,
-                       block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (any shape, n elements, float) -> (codes uint8 (ceil(n/B), B), absmax (ceil(n/B),)).
-
-    Pad x with zeros to a multiple of B, cut it into blocks of B, divide each block by its own
-    absmax (at least the smallest normal float32, so a zero block stays 0), and store for each
-    value the index of the nearest code of CODEBOOKS[signed] (ties to the lower code).
-    Memory: n + 4 ceil(n/B) bytes instead of 4n."""
-    flat = x.reshape(-1)
-    blocks = F.pad(flat, (0, (-flat.numel()) % block)).view(-1, block)
-    absmax = blocks.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
-    codebook = CODEBOOKS[signed].to(x.dtype)
-    midpoints = (codebook[1:] + codebook[:-1]) / 2
-    codes = torch.bucketize(blocks / absmax[:, None], midpoints).to(torch.uint8)
-    return codes, absmax
-
-
-# exercise blockwise-quant (continued)
-def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool,
-                         shape: torch.Size) -> torch.Tensor:
-    """The inverse: CODEBOOKS[signed][code] x its block's absmax, padding dropped, in `shape`
-    (dtype of absmax). Error per value: at most half the gap between neighbouring codes x absmax."""
-    values = CODEBOOKS[signed].to(absmax.dtype)[codes.long()] * absmax[:, None]
-    return values.reshape(-1)[: math.prod(shape)].view(shape)
-
-
-def adam8bit_state_bytes(numel: int, block: int = BLOCK) -> int:
-    """Two states: 1 byte per (padded) element each, plus one fp32 absmax per block each;
-    tensors below MIN_8BIT_NUMEL keep two fp32 states (8 bytes per element)."""
-    if numel < MIN_8BIT_NUMEL:
-        return 8 * numel
-    blocks = -(-numel // block)
-    return 2 * (blocks * block + 4 * blocks)
-
-
-class Adam8bit(torch.optim.Optimizer):
-    """Adam whose m and v live as block-wise 8-bit codes between steps (Dettmers et al.).
-
-    Each step: dequantize m, v, apply Adam exactly as torch does, quantize them back (m signed,
-    v unsigned). Tensors with fewer than `min_8bit_numel` elements keep full-precision states
-    (set it to math.inf and this is plain Adam, bitwise equal to torch.optim.Adam)."""
-
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 min_8bit_numel: float = MIN_8BIT_NUMEL, block: int = BLOCK) -> None:
-        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
-        self.min_8bit_numel, self.block = min_8bit_numel, block
-        self.steps = 0
-
-    @torch.no_grad()
-    def step(self) -> None:
-        self.steps += 1
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                state = self.state[param]
-                quantized = param.numel() >= self.min_8bit_numel
-                if not state:
-                    zeros = torch.zeros_like(param)
-                    state.update(self._store(zeros, True, quantized, "m"))
-                    state.update(self._store(zeros, False, quantized, "v"))
-                m = self._load(state, True, quantized, "m", param.shape)
-                v = self._load(state, False, quantized, "v", param.shape)
-                m.lerp_(param.grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
-                bias1, bias2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
-                denom = (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
-                param.addcdiv_(m, denom, value=-group["lr"] / bias1)
-                state.update(self._store(m, True, quantized, "m"))
-                state.update(self._store(v, False, quantized, "v"))
-
-    def _store(self, value: torch.Tensor, signed: bool, quantized: bool, name: str) -> dict:
-        if not quantized:
-            return {name: value.clone()}
-        codes, absmax = quantize_blockwise(value, signed, self.block)
-        return {f"{name}_codes": codes, f"{name}_absmax": absmax}
-
-    @staticmethod
-    def _load(state: dict, signed: bool, quantized: bool, name: str, shape) -> torch.Tensor:
-        if not quantized:
-            return state[name]
-        return dequantize_blockwise(state[f"{name}_codes"], state[f"{name}_absmax"], signed, shape)
 
 
 if __name__ == "__main__":  # the checks, the report and the CLI: checks.py

@@ -1,4 +1,4 @@
-"""Lesson 08's proof: the chunk manager and its cost model, measured.
+"""Lesson 08's proof: the chunk manager (main.py) and its cost model (cost_model.py), measured.
 
 * every (persistent chunks, recomputed blocks) configuration trains bitwise like plain training
   with torch.optim.Adam;
@@ -22,10 +22,12 @@ from lessons._checks import best_time, synchronize
 from lessons._launch import RankContext, inject_fault, launch
 from lessons._report import Check, Report, check_args, finish, float_in, int_in, lesson_parser
 
+from . import cost_model
 from . import main as offload
 
 LESSON = "08_offload"
 memory = offload.memory  # lesson 07's technique
+adam8bit = offload.adam8bit  # lesson 07's 8-bit Adam (quantization off: plain Adam)
 
 
 # ============================================================================ training runs
@@ -129,18 +131,18 @@ def copy_seconds_per_byte(config: dict, used: list[int], repeats: int) -> tuple[
     block = memory.TransformerLayer(config["hidden"], config["heads"]).to(device)
     grads = [torch.randn_like(p).reshape(-1) for p in block.parameters()]
     d2h = best_time(lambda: [g.to("cpu") for g in grads], repeats, device)
-    block_bytes = sum(g.numel() for g in grads) * offload.ITEMSIZE
-    return h2d / (source.numel() * offload.ITEMSIZE), d2h / block_bytes
+    block_bytes = sum(g.numel() for g in grads) * cost_model.ITEMSIZE
+    return h2d / (source.numel() * cost_model.ITEMSIZE), d2h / block_bytes
 
 
 def adam_seconds_per_element(numel: int, device: str, repeats: int) -> float:
     flat = torch.zeros(numel, device=device)
     flat.grad = torch.randn_like(flat)
-    adam = memory.Adam8bit([flat], min_8bit_numel=math.inf)
+    adam = adam8bit.Adam8bit([flat], min_8bit_numel=math.inf)
     return best_time(adam.step, repeats, device) / numel
 
 
-def profile_model(config: dict, seed: int, repeats: int = 3) -> tuple[offload.Profile, dict]:
+def profile_model(config: dict, seed: int, repeats: int = 3) -> tuple[cost_model.Profile, dict]:
     """Measure what the cost model needs, on this machine, from plain steps (ProTrain's
     memory-aware profiler in miniature): lesson 07's tracker for bytes, a clock for times.
     Also returns the plain run's measured moments (static bytes included)."""
@@ -151,17 +153,18 @@ def profile_model(config: dict, seed: int, repeats: int = 3) -> tuple[offload.Pr
     model = offload.make_offload_model(config, seed)
     slots, used = offload.pack_chunks(model.layers, config["chunk_numel"])
     fixed = offload.fixed_parameters(model)
-    profile = offload.Profile(used, offload.chunks_of_block(slots, config["layers"]), config["chunk_numel"],
-                              sum(p.numel() for p in fixed), max(p.numel() for p in fixed), act_block,
-                              seq * batch * hidden * offload.ITEMSIZE)
+    profile = cost_model.Profile(used, offload.chunks_of_block(slots, config["layers"]),
+                                 config["chunk_numel"], sum(p.numel() for p in fixed),
+                                 max(p.numel() for p in fixed), act_block,
+                                 seq * batch * hidden * cost_model.ITEMSIZE)
     plain = offload.OffloadConfig(len(used), 0)
     run = train_offloaded(config, plain, repeats + 2, seed)
-    moments, static = run["moments"], offload.static_bytes(profile, plain)
+    moments, static = run["moments"], cost_model.static_bytes(profile, plain)
     blocks = config["layers"] * act_block
     profile.forward_extra = moments["forward_peak"] - static - blocks
     profile.backward_extra = moments["backward_peak"] - static - blocks
     profile.step_extra = (moments["step_peak"] - static
-                          - 2 * offload.ITEMSIZE * max([profile.largest_fixed] + used))
+                          - 2 * cost_model.ITEMSIZE * max([profile.largest_fixed] + used))
     profile.t_plain_step = run["seconds"]
     x = torch.randn(seq, batch, hidden, device=device)
     with torch.no_grad():
@@ -190,16 +193,16 @@ def named_model_layout(layers: int, hidden: int, heads: int, vocab: int, seq: in
         model = memory.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0)
     slots, used = offload.pack_chunks(model.layers, chunk_numel)
     fixed = offload.fixed_parameters(model)
-    profile = offload.Profile(used, offload.chunks_of_block(slots, layers), chunk_numel,
-                              sum(p.numel() for p in fixed), max(p.numel() for p in fixed), 0, 0)
+    profile = cost_model.Profile(used, offload.chunks_of_block(slots, layers), chunk_numel,
+                                 sum(p.numel() for p in fixed), max(p.numel() for p in fixed), 0, 0)
     every, none = offload.OffloadConfig(len(used), 0), offload.OffloadConfig(0, 0)
     return {"chunks": len(used), "chunk_numel": chunk_numel, "block_params": sum(used),
             "fixed_params": profile.fixed_numel,
-            "buffers": offload.buffers_needed(profile, none),
-            "fetches_all_offloaded": offload.count_fetches(profile, none),
-            "static_all_persistent": offload.static_bytes(profile, every),
-            "static_all_offloaded": offload.static_bytes(profile, none),
-            "host_all_offloaded": 4 * offload.ITEMSIZE * sum(used)}
+            "buffers": cost_model.buffers_needed(profile, none),
+            "fetches_all_offloaded": cost_model.count_fetches(profile, none),
+            "static_all_persistent": cost_model.static_bytes(profile, every),
+            "static_all_offloaded": cost_model.static_bytes(profile, none),
+            "host_all_offloaded": 4 * cost_model.ITEMSIZE * sum(used)}
 
 
 def offload_traffic(layout: dict, tokens: int, link_bytes_per_s: float = 25e9,
@@ -216,7 +219,7 @@ def offload_traffic(layout: dict, tokens: int, link_bytes_per_s: float = 25e9,
     updated weights up, 2 + 2 bytes per parameter per step; the fp32 master weights and Adam's
     states (12 bytes per parameter) never cross the link."""
     params = layout["block_params"] + layout["fixed_params"]
-    ours = offload.ITEMSIZE * (layout["fetches_all_offloaded"] * layout["chunk_numel"]
+    ours = cost_model.ITEMSIZE * (layout["fetches_all_offloaded"] * layout["chunk_numel"]
                                + layout["block_params"])
     zero_offload = (2 + 2) * layout["block_params"]
     flops_per_token = 6 * params
@@ -243,14 +246,14 @@ def verify_worker(ctx: RankContext, seed: int, config: dict, steps: int, budget:
     inject_fault(ctx, fault, fault_rank)
     profile, _ = profile_model(config, seed)
     plain = offload.OffloadConfig(len(profile.chunk_used), 0)
-    plain_peak = offload.predict_peak(profile, plain)
+    plain_peak = cost_model.predict_peak(profile, plain)
     if budget is None:
         budget = int(budget_fraction * plain_peak)
     try:
-        chosen = offload.plan(profile, budget, safety)
-    except offload.BudgetError as exc:
+        chosen = cost_model.plan(profile, budget, safety)
+    except cost_model.BudgetError as exc:
         return {"budget_error": str(exc)}
-    configs = offload.all_configs(profile)
+    configs = cost_model.all_configs(profile)
     if quick:  # the corners, the middle and the planner's choice
         n, layers = len(profile.chunk_used), len(profile.block_chunks)
         configs = list(dict.fromkeys([plain, offload.OffloadConfig(0, 0), offload.OffloadConfig(0, layers),
@@ -259,18 +262,18 @@ def verify_worker(ctx: RankContext, seed: int, config: dict, steps: int, budget:
     rows, equal, fetches_ok, static_ok = [], [], [], []
     for candidate in configs:
         run = train_offloaded(config, candidate, steps, seed)
-        predicted = offload.predict_peak(profile, candidate)
+        predicted = cost_model.predict_peak(profile, candidate)
         rows.append({"n_persist": candidate.n_persist, "n_checkpoint": candidate.n_checkpoint,
                      "peak_measured": run["peak_bytes"], "peak_predicted": predicted,
                      "rel_err": abs(predicted - run["peak_bytes"]) / run["peak_bytes"],
                      "fetches": run["fetches"],
-                     "fetches_predicted": offload.count_fetches(profile, candidate),
+                     "fetches_predicted": cost_model.count_fetches(profile, candidate),
                      "seconds": run["seconds"],
-                     "seconds_predicted": offload.predict_time(profile, candidate)})
+                     "seconds_predicted": cost_model.predict_time(profile, candidate)})
         equal.append(run["losses"] == reference["losses"] and
                      all(torch.equal(a, b) for a, b in zip(run["weights"], reference["weights"])))
         fetches_ok.append(rows[-1]["fetches"] == rows[-1]["fetches_predicted"])
-        static_ok.append(run["moments"]["start"] == offload.static_bytes(profile, candidate))
+        static_ok.append(run["moments"]["start"] == cost_model.static_bytes(profile, candidate))
     worst = max(rows, key=lambda r: r["rel_err"])
     chosen_row = next(r for r in rows if (r["n_persist"], r["n_checkpoint"]) ==
                       (chosen.n_persist, chosen.n_checkpoint))
@@ -292,22 +295,22 @@ def verify_worker(ctx: RankContext, seed: int, config: dict, steps: int, budget:
               f"budget {budget:,} B: n_persist={chosen.n_persist}, n_checkpoint={chosen.n_checkpoint}, "
               f"peak {chosen_row['peak_measured']:,} B"),
     ]
-    roomy = offload.required_budget(profile, plain, safety)
-    kept = offload.plan(profile, roomy, safety)
+    roomy = cost_model.required_budget(profile, plain, safety)
+    kept = cost_model.plan(profile, roomy, safety)
     checks.append(Check("with room for everything the planner keeps everything (never slower)",
                         kept == plain
-                        and offload.predict_time(profile, kept) <= offload.predict_time(profile, plain),
+                        and cost_model.predict_time(profile, kept) <= cost_model.predict_time(profile, plain),
                         f"budget {roomy:,} B -> n_persist={kept.n_persist}, "
                         f"n_checkpoint={kept.n_checkpoint}"))
-    smallest = min(offload.required_budget(profile, c, safety) for c in offload.all_configs(profile))
+    smallest = min(cost_model.required_budget(profile, c, safety) for c in cost_model.all_configs(profile))
     try:
-        offload.plan(profile, smallest - 1, safety)
+        cost_model.plan(profile, smallest - 1, safety)
         message = "accepted"
-    except offload.BudgetError as exc:
+    except cost_model.BudgetError as exc:
         message = str(exc)
     checks.append(Check("an impossible budget names the smallest feasible one",
                         f"smallest feasible budget is {smallest:,} bytes" in message
-                        and offload.plan(profile, smallest, safety) is not None, message))
+                        and cost_model.plan(profile, smallest, safety) is not None, message))
     time_errors = sorted(abs(r["seconds_predicted"] - r["seconds"]) / r["seconds"] for r in rows)
     metrics = {"peak_pred_rel_err_max": worst["rel_err"], "budget": budget, "safety": safety,
                "time_pred_rel_err_median": time_errors[len(time_errors) // 2],
@@ -337,9 +340,9 @@ def parse_args(argv: list[str] | None = None):
                              "all-persistent peak)")
     parser.add_argument("--budget-fraction", type=float_in(0.01, 10.0), default=0.6,
                         help="budget as a fraction of the all-persistent peak (default 0.6)")
-    parser.add_argument("--safety", type=float_in(1.0, 4.0), default=offload.SAFETY,
+    parser.add_argument("--safety", type=float_in(1.0, 4.0), default=cost_model.SAFETY,
                         help=f"a configuration fits when safety x its predicted peak <= the "
-                             f"budget (default {offload.SAFETY})")
+                             f"budget (default {cost_model.SAFETY})")
     args = parser.parse_args(argv)
     largest = 4 * args.hidden * args.hidden
     if args.chunk_numel < largest:

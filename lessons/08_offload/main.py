@@ -1,6 +1,6 @@
 """Lesson 08: offloading with chunks, and a cost model that plans what stays on the device.
 
-The story, top to bottom:
+The technique in two files, in reading order. This one, main.py, runs a step offloaded:
 
 1. `pack_chunks`: the transformer blocks' parameters are packed, in order, into fixed-size
    chunks (a parameter never straddles two). The first `n_persist` chunks live on the device
@@ -12,10 +12,10 @@ The story, top to bottom:
    their chunk (saved-tensor hooks), so a buffer can be reused: backward fetches the chunk
    again. Gradients of offloaded chunks go to host memory as soon as they are ready; an Adam
    step on the host updates them. Blocks may also be recomputed (lesson 07).
-4. The cost model, fed by one profiling step (ProTrain's memory-aware profiler in miniature):
-   `predict_peak`, `count_fetches`, `predict_time`; and `plan`, which tries every (persistent
-   chunks, recomputed blocks) configuration and picks the fastest whose peak, times a safety
-   factor, fits a memory budget, or names the smallest feasible budget.
+
+The cost model that plans a configuration without running it (ProTrain's, in miniature:
+`predict_peak`, `count_fetches`, `predict_time`, and `plan` under a memory budget) is in
+cost_model.py, read after this file.
 
 The proof (bitwise equality with plain training, the profiler, the measured peaks against
 lesson 07's tracker, the CLI) is in checks.py. Run: `python lessons/08_offload/main.py`.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import itertools
 import math
 import sys
 from collections import OrderedDict
@@ -38,9 +37,8 @@ if __package__ in (None, ""):  # run as a script: make the `lessons` package imp
 import torch
 import torch.nn as nn
 
-memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique
-
-ITEMSIZE = 4  # fp32 training: every state is 4 bytes per element
+memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT
+adam8bit = importlib.import_module("lessons.07_memory.adam8bit")  # lesson 07's Adam: Adam8bit
 
 
 def make_offload_model(config: dict, seed: int) -> memory.TinyGPT:
@@ -218,10 +216,10 @@ class ChunkManager:
         self.buffers = [torch.zeros(chunk_numel, device=self.device) for _ in range(n_buffers)]
         self.pool = BufferPool(n_buffers)
         self.chunk_in_buffer: dict[int, int] = {}
-        self.device_optimizer = memory.Adam8bit(fixed_parameters(model) + self.flat[:config.n_persist],
-                                                lr=lr, min_8bit_numel=math.inf)
+        self.device_optimizer = adam8bit.Adam8bit(fixed_parameters(model) + self.flat[:config.n_persist],
+                                                  lr=lr, min_8bit_numel=math.inf)
         host_params = self.flat[config.n_persist:]
-        self.host_optimizer = (memory.Adam8bit(host_params, lr=lr, min_8bit_numel=math.inf)
+        self.host_optimizer = (adam8bit.Adam8bit(host_params, lr=lr, min_8bit_numel=math.inf)
                                if host_params else None)
         model.recompute = set(range(config.n_checkpoint))
         for index, block in enumerate(model.layers):  # fetch before forward and before backward
@@ -327,141 +325,6 @@ class ChunkManager:
         self.chunk_in_buffer.clear()
         self.pool.clear()
         return float(loss.detach())
-
-
-# ============================================================================ 4. the cost model
-
-
-@dataclasses.dataclass
-class Profile:
-    """What one profiling run (everything persistent, nothing recomputed) measures."""
-
-    chunk_used: list[int]  # elements in each chunk
-    block_chunks: list[list[int]]  # the chunks each block's weights live in
-    chunk_numel: int
-    fixed_numel: int  # parameters outside the blocks
-    largest_fixed: int  # elements of the largest of them
-    act_block: int  # bytes a block adds to the live set in forward (what it keeps + its output)
-    act_input: int  # bytes of a block's input (what a recomputed block keeps)
-    forward_extra: int = 0  # beyond static + blocks, at the end of forward (logits, loss, ...)
-    backward_extra: int = 0  # beyond static + blocks, at the backward peak
-    step_extra: int = 0  # beyond static + the Adam temporaries, at the optimizer step's peak
-    t_plain_step: float = 0.0  # seconds: one step with everything persistent, nothing recomputed
-    t_forward_block: float = 0.0  # one block's forward (what recomputing it costs)
-    t_h2d_per_byte: float = 0.0  # a chunk fetch: pinned host -> device, non-blocking, then waited
-    t_d2h_per_byte: float = 0.0  # a block's gradients: device -> host, as _grad_ready copies them
-    t_adam_device: float = 0.0  # per element
-    t_adam_host: float = 0.0  # per element
-
-
-def buffers_needed(profile: Profile, config: OffloadConfig) -> int:
-    """A block's offloaded chunks plus one to prefetch the next block's (0 if none offloaded)."""
-    if config.n_persist >= len(profile.chunk_used):
-        return 0
-    return max(sum(c >= config.n_persist for c in chunks) for chunks in profile.block_chunks) + 1
-
-
-def static_bytes_formula(fixed_numel: int, persistent_numel: int, n_buffers: int, chunk_numel: int) -> int:
-    """12F + 16 x persistent elements + 4 x B x C: fixed parameters with Adam's m and v (their
-    gradients come and go within the step), persistent chunks with gradient, m and v, and the
-    chunk buffers."""
-    return 3 * ITEMSIZE * fixed_numel + 4 * ITEMSIZE * persistent_numel + ITEMSIZE * n_buffers * chunk_numel
-
-
-def static_bytes(profile: Profile, config: OffloadConfig) -> int:
-    """Device bytes alive when a step starts, for `config`."""
-    return static_bytes_formula(profile.fixed_numel, sum(profile.chunk_used[:config.n_persist]),
-                                buffers_needed(profile, config), profile.chunk_numel)
-
-
-def predict_peak(profile: Profile, config: OffloadConfig) -> int:
-    """Device peak = static + the largest of three moments:
-    forward (its peak is at its end): every block's kept bytes (a recomputed block: only its input) + extras;
-    backward of the last block: the earlier blocks' bytes + one whole block (rematerialised if
-    it was recomputed) + extras;
-    optimizer step: Adam's two temporaries as large as the largest device tensor + extras."""
-    n_blocks = len(profile.block_chunks)
-    kept = [profile.act_input if b < config.n_checkpoint else profile.act_block for b in range(n_blocks)]
-    forward = sum(kept) + profile.forward_extra
-    backward = sum(kept[:-1]) + profile.act_block + profile.backward_extra
-    largest = max([profile.largest_fixed] + profile.chunk_used[:config.n_persist])
-    step = 2 * ITEMSIZE * largest + profile.step_extra
-    return static_bytes(profile, config) + max(forward, backward, step)
-
-
-def count_fetches(profile: Profile, config: OffloadConfig) -> int:
-    """Host-to-device chunk copies in one step: blocks 0..L-1 forward, then L-1..0 backward
-    (a recomputed block twice: its backward pre-hook, then its forward again), through the same
-    LRU pool and prefetch rule (access_plan) the manager uses."""
-    n_buffers = buffers_needed(profile, config)
-    if n_buffers == 0:
-        return 0
-    pool = BufferPool(n_buffers)
-    n_blocks = len(profile.block_chunks)
-    backward = []
-    for block in reversed(range(n_blocks)):  # a recomputed block runs its forward again
-        backward += [block, block] if block < config.n_checkpoint else [block]
-    for block, direction in [(b, 1) for b in range(n_blocks)] + [(b, -1) for b in backward]:
-        for chunks, keep in access_plan(profile.block_chunks, config.n_persist, block, direction, pool):
-            pool.acquire(chunks, keep)
-    return pool.fetches
-
-
-def predict_time(profile: Profile, config: OffloadConfig) -> float:
-    """Seconds per step, from the profiled plain step, for a manager that does everything one
-    thing after another (as this lesson's does), so the terms add:
-
-    T = T_plain + n_checkpoint x T_forward_block                 (recomputation)
-        + fetches x C x 4 B x t_h2d                              (chunk fetches)
-        + offloaded elements x 4 B x t_d2h                       (gradients to the host)
-        + offloaded elements x (t_adam_host - t_adam_device)     (the host Adam)
-
-    An approximation, not ProTrain's model, which overlaps copies with compute and the host
-    Adam with backward (T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim); exercise 3)."""
-    offloaded = sum(profile.chunk_used[config.n_persist:])
-    return (profile.t_plain_step + config.n_checkpoint * profile.t_forward_block
-            + count_fetches(profile, config) * profile.chunk_numel * ITEMSIZE * profile.t_h2d_per_byte
-            + offloaded * ITEMSIZE * profile.t_d2h_per_byte
-            + offloaded * (profile.t_adam_host - profile.t_adam_device))
-
-
-def all_configs(profile: Profile) -> list[OffloadConfig]:
-    return [OffloadConfig(p, c) for p, c in itertools.product(range(len(profile.chunk_used) + 1),
-                                                              range(len(profile.block_chunks) + 1))]
-
-
-class BudgetError(ValueError):
-    """No configuration fits the memory budget."""
-
-
-SAFETY = 1.10  # ProTrain's fragmentation factor (alpha), as Axolotl's integration applies it
-
-
-# exercise planner (3 points): The budget a configuration needs, and the planner
-# hint: required = ceil(safety x predict_peak); keep the configurations whose requirement fits,
-#   pick the fastest by predict_time (ties: -n_persist, then n_checkpoint)
-def required_budget(profile: Profile, config: OffloadConfig, safety: float = SAFETY) -> int:
-    """The budget `config` needs: ceil(safety x predicted peak). The factor covers what the
-    model does not see: the allocator's fragmentation and rounding, transients, model error."""
-    return math.ceil(safety * predict_peak(profile, config))
-
-
-# exercise planner (continued)
-def plan(profile: Profile, budget_bytes: int, safety: float = SAFETY) -> OffloadConfig:
-    """The configuration with the smallest predicted time whose required_budget fits
-    `budget_bytes` (ties: more persistent chunks, then fewer recomputed blocks).
-
-    Exhaustive: (chunks + 1) x (blocks + 1) configurations, each O(blocks) to predict. Raises
-    BudgetError naming the smallest feasible budget (and its configuration) when none fits."""
-    configs = all_configs(profile)
-    fitting = [c for c in configs if required_budget(profile, c, safety) <= budget_bytes]
-    if not fitting:
-        smallest = min(configs, key=lambda c: required_budget(profile, c, safety))
-        raise BudgetError(f"no configuration fits a budget of {budget_bytes:,} bytes; the smallest "
-                          f"feasible budget is {required_budget(profile, smallest, safety):,} bytes "
-                          f"(n_persist={smallest.n_persist}, n_checkpoint={smallest.n_checkpoint}, "
-                          f"predicted peak x {safety:.2f})")
-    return min(fitting, key=lambda c: (predict_time(profile, c), -c.n_persist, c.n_checkpoint))
 
 
 if __name__ == "__main__":  # the checks, the report and the CLI: checks.py

@@ -16,7 +16,9 @@ import torch
 from lessons._launch import launch
 from lessons._testing import assert_argument_error, assert_every_check_passes, exercise
 
-M = importlib.import_module("lessons.07_memory.main")  # the technique
+M = importlib.import_module("lessons.07_memory.main")  # the technique: tracker, formulas, GPT
+MP = importlib.import_module("lessons.07_memory.mixed_precision")  # master weights, loss scaling
+A8 = importlib.import_module("lessons.07_memory.adam8bit")  # 8-bit Adam
 C = importlib.import_module("lessons.07_memory.checks")  # the harness
 W = importlib.import_module("lessons.07_memory.tests.workers")
 README = Path(M.__file__).with_name("README.md").read_text()
@@ -119,7 +121,7 @@ class TestBytesPerParameter(unittest.TestCase):
 
     def test_main_grad_frees_the_16_bit_gradient(self):
         model = C.make_mlp(0, dtype=torch.bfloat16)
-        optimizer = M.MixedPrecisionAdam(model.parameters(), fp32_accumulation=True,
+        optimizer = MP.MixedPrecisionAdam(model.parameters(), fp32_accumulation=True,
                                          free_model_grads=True)
         model.loss(torch.randn(4, 64, dtype=torch.bfloat16)).backward()
         optimizer.accumulate()
@@ -147,7 +149,7 @@ class TestActivations(unittest.TestCase):
 class TestMixedPrecision(unittest.TestCase):
     @exercise("loss-scaler")
     def test_scale_and_unscale(self):
-        scaler = M.DynamicLossScaler(init_scale=8.0)
+        scaler = MP.DynamicLossScaler(init_scale=8.0)
         self.assertEqual(float(scaler.scale(torch.tensor(1.5))), 12.0)
         param = torch.nn.Parameter(torch.zeros(3))
         param.grad = torch.tensor([8.0, -4.0, 16.0])
@@ -161,7 +163,7 @@ class TestMixedPrecision(unittest.TestCase):
 
     @exercise("loss-scaler")
     def test_an_overflow_skips_the_step_and_backs_off(self):
-        scaler = M.DynamicLossScaler(init_scale=1024.0, growth_interval=3)
+        scaler = MP.DynamicLossScaler(init_scale=1024.0, growth_interval=3)
         param = torch.nn.Parameter(torch.ones(2))
         optimizer = torch.optim.SGD([param], lr=1.0)
         param.grad = torch.tensor([float("inf"), 1.0])
@@ -174,7 +176,7 @@ class TestMixedPrecision(unittest.TestCase):
 
     @exercise("loss-scaler")
     def test_the_scale_grows_only_after_growth_interval_clean_steps(self):
-        scaler = M.DynamicLossScaler(init_scale=4.0, growth_interval=3)
+        scaler = MP.DynamicLossScaler(init_scale=4.0, growth_interval=3)
         param = torch.nn.Parameter(torch.ones(2))
         optimizer = torch.optim.SGD([param], lr=0.0)
         scales = []
@@ -194,7 +196,7 @@ class TestMixedPrecision(unittest.TestCase):
 
     @exercise("loss-scaler")
     def test_defaults_are_grad_scalers(self):
-        ours, theirs = M.DynamicLossScaler(), torch.amp.GradScaler("cpu")
+        ours, theirs = MP.DynamicLossScaler(), torch.amp.GradScaler("cpu")
         self.assertEqual(ours.get_scale(), theirs.get_scale())
         self.assertEqual((ours.growth_factor, ours.backoff_factor, ours.growth_interval),
                          (theirs.get_growth_factor(), theirs.get_backoff_factor(),
@@ -202,17 +204,17 @@ class TestMixedPrecision(unittest.TestCase):
 
     @exercise("loss-scaler")
     def test_a_scaler_that_never_backs_off_is_caught(self):
-        class NoBackoff(M.DynamicLossScaler):
+        class NoBackoff(MP.DynamicLossScaler):
             def update(self):
                 self.found_inf = False
                 super().update()
 
-        original = M.DynamicLossScaler
+        original = MP.DynamicLossScaler
         try:
-            M.DynamicLossScaler = NoBackoff
+            MP.DynamicLossScaler = NoBackoff
             result = C.compare_with_grad_scaler()
         finally:
-            M.DynamicLossScaler = original
+            MP.DynamicLossScaler = original
         self.assertNotEqual(result["ours"]["scales"], result["torch"]["scales"])
 
     def test_underflow(self):
@@ -239,29 +241,29 @@ class TestAdam8bit(unittest.TestCase):
     def test_one_absmax_per_block(self):
         # blocks of very different magnitudes: each keeps its own scale and relative precision
         x = torch.cat([torch.full((256,), 1e3), torch.linspace(-1e-3, 1e-3, 256), torch.ones(100)])
-        codes, absmax = M.quantize_blockwise(x, True, 256)
+        codes, absmax = A8.quantize_blockwise(x, True, 256)
         self.assertEqual(tuple(codes.shape), (3, 256))
         self.assertEqual(absmax.tolist(), [1e3, float(torch.tensor(1e-3)), 1.0])
-        self.assertEqual(codes[2, 100:].tolist(), [int((M.CODEBOOKS[True] == 0).nonzero())] * 156)
-        back = M.dequantize_blockwise(codes, absmax, True, x.shape)
+        self.assertEqual(codes[2, 100:].tolist(), [int((A8.CODEBOOKS[True] == 0).nonzero())] * 156)
+        back = A8.dequantize_blockwise(codes, absmax, True, x.shape)
         self.assertEqual(back.shape, x.shape)
         small = slice(256, 512)
         self.assertLessEqual(float((back[small] - x[small]).abs().max()), 1e-3 * 0.07)
         self.assertTrue(torch.equal(back[:256], x[:256]))
-        zero_codes, zero_absmax = M.quantize_blockwise(torch.zeros(10), False, 4)
-        self.assertTrue(torch.equal(M.dequantize_blockwise(zero_codes, zero_absmax, False, (10,)),
+        zero_codes, zero_absmax = A8.quantize_blockwise(torch.zeros(10), False, 4)
+        self.assertTrue(torch.equal(A8.dequantize_blockwise(zero_codes, zero_absmax, False, (10,)),
                                     torch.zeros(10)))
 
     @exercise("blockwise-quant")
     def test_round_trip_error_is_within_half_a_code_gap(self):
         x = torch.randn(5000, generator=torch.Generator().manual_seed(0)) ** 3
-        for block in (M.BLOCK, 256):
+        for block in (A8.BLOCK, 256):
             for signed, values in ((True, x), (False, x.abs())):
-                codes, absmax = M.quantize_blockwise(values, signed, block)
+                codes, absmax = A8.quantize_blockwise(values, signed, block)
                 self.assertEqual(codes.dtype, torch.uint8)
                 self.assertEqual(absmax.numel(), math.ceil(5000 / block))
-                back = M.dequantize_blockwise(codes, absmax, signed, values.shape)
-                book = M.CODEBOOKS[signed]
+                back = A8.dequantize_blockwise(codes, absmax, signed, values.shape)
+                book = A8.CODEBOOKS[signed]
                 self.assertLessEqual(len(book), 256)
                 # the nearest code is at most half the widest gap away, per block's absmax
                 bound = float((book[1:] - book[:-1]).max()) / 2 * float(absmax.max())
@@ -269,10 +271,10 @@ class TestAdam8bit(unittest.TestCase):
                 self.assertTrue(torch.equal(back.abs().amax(), values.abs().amax()))
 
     def test_state_bytes(self):
-        self.assertEqual(M.adam8bit_state_bytes(16384), 2 * (16384 + 4 * 8))
-        self.assertEqual(M.adam8bit_state_bytes(4095), 8 * 4095)
-        self.assertEqual(M.adam8bit_state_bytes(4097), 2 * (3 * 2048 + 4 * 3))
-        self.assertEqual(M.adam8bit_state_bytes(4097, block=256), 2 * (17 * 256 + 4 * 17))
+        self.assertEqual(A8.adam8bit_state_bytes(16384), 2 * (16384 + 4 * 8))
+        self.assertEqual(A8.adam8bit_state_bytes(4095), 8 * 4095)
+        self.assertEqual(A8.adam8bit_state_bytes(4097), 2 * (3 * 2048 + 4 * 3))
+        self.assertEqual(A8.adam8bit_state_bytes(4097, block=256), 2 * (17 * 256 + 4 * 17))
 
     def test_unquantized_is_torch_adam_exactly(self):
         batches = M.markov_batches(64, 8, 4, 5, 0)

@@ -17,7 +17,8 @@ import torch
 from lessons._launch import launch
 from lessons._testing import assert_argument_error, assert_every_check_passes, exercise
 
-M = importlib.import_module("lessons.08_offload.main")  # the technique
+M = importlib.import_module("lessons.08_offload.main")  # the technique: chunks, pool, manager
+CM = importlib.import_module("lessons.08_offload.cost_model")  # the technique: cost model, planner
 C = importlib.import_module("lessons.08_offload.checks")  # the harness
 W = importlib.import_module("lessons.08_offload.tests.workers")
 CONFIG = W.CONFIG
@@ -174,8 +175,8 @@ class TestChunkManager(unittest.TestCase):
             model = M.make_offload_model(CONFIG, 1)
             config = M.OffloadConfig(0, 1)
             manager = M.ChunkManager(model, config, CONFIG["chunk_numel"])
-            profile = M.Profile(manager.used, manager.block_chunks, CONFIG["chunk_numel"], 0, 0, 0, 0)
-            expected = M.count_fetches(profile, config)  # the oracle pool, forward then backward
+            profile = CM.Profile(manager.used, manager.block_chunks, CONFIG["chunk_numel"], 0, 0, 0, 0)
+            expected = CM.count_fetches(profile, config)  # the oracle pool, forward then backward
             calls = []
             original = manager.pool.acquire
             manager.pool.acquire = lambda chunks, keep=(): calls.append((list(chunks), keep)) or \
@@ -205,25 +206,25 @@ class TestCostModel(unittest.TestCase):
 
     def test_static_bytes_of_the_plain_run(self):
         plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
-        self.assertEqual(self.moments["start"], M.static_bytes(self.profile, plain))
+        self.assertEqual(self.moments["start"], CM.static_bytes(self.profile, plain))
 
     def test_peaks_and_fetches_of_configurations_not_profiled(self):
         for candidate in (M.OffloadConfig(0, 0), M.OffloadConfig(2, 1), M.OffloadConfig(0, 3)):
             with self.subTest(offload=candidate):
                 run = C.train_offloaded(CONFIG, candidate, 2, 0)
-                predicted = M.predict_peak(self.profile, candidate)
+                predicted = CM.predict_peak(self.profile, candidate)
                 self.assertLessEqual(abs(predicted - run["peak_bytes"]) / run["peak_bytes"], 0.10)
-                self.assertEqual(run["fetches"], M.count_fetches(self.profile, candidate))
+                self.assertEqual(run["fetches"], CM.count_fetches(self.profile, candidate))
 
     def test_the_real_planner_on_the_measured_profile(self):
         plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
-        roomy = M.required_budget(self.profile, plain)
-        self.assertEqual(M.plan(self.profile, roomy), plain)
+        roomy = CM.required_budget(self.profile, plain)
+        self.assertEqual(CM.plan(self.profile, roomy), plain)
 
     def test_recomputation_and_copies_only_add_time(self):
-        base = M.predict_time(self.profile, M.OffloadConfig(len(self.profile.chunk_used), 0))
-        for candidate in M.all_configs(self.profile):
-            self.assertGreaterEqual(M.predict_time(self.profile, candidate), base)
+        base = CM.predict_time(self.profile, M.OffloadConfig(len(self.profile.chunk_used), 0))
+        for candidate in CM.all_configs(self.profile):
+            self.assertGreaterEqual(CM.predict_time(self.profile, candidate), base)
 
 
 @exercise("planner")
@@ -233,42 +234,42 @@ class TestPlanner(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.profile = M.Profile([1000, 1000, 1000], [[0], [1], [2]], 1000, 500, 200,
+        cls.profile = CM.Profile([1000, 1000, 1000], [[0], [1], [2]], 1000, 500, 200,
                                 act_block=6000, act_input=400, forward_extra=300, backward_extra=700,
                                 step_extra=50, t_plain_step=1.0, t_forward_block=0.1,
                                 t_h2d_per_byte=1e-5, t_d2h_per_byte=1e-5, t_adam_device=1e-6,
                                 t_adam_host=1e-5)
 
     def test_required_budget(self):
-        for candidate in M.all_configs(self.profile):
-            peak = M.predict_peak(self.profile, candidate)
-            self.assertEqual(M.required_budget(self.profile, candidate), math.ceil(1.1 * peak))
-            self.assertEqual(M.required_budget(self.profile, candidate, safety=1.0), peak)
+        for candidate in CM.all_configs(self.profile):
+            peak = CM.predict_peak(self.profile, candidate)
+            self.assertEqual(CM.required_budget(self.profile, candidate), math.ceil(1.1 * peak))
+            self.assertEqual(CM.required_budget(self.profile, candidate, safety=1.0), peak)
 
     def test_planner(self):
         plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
-        roomy = M.required_budget(self.profile, plain)
-        self.assertEqual(M.plan(self.profile, roomy), plain)
-        smallest = min(M.required_budget(self.profile, c) for c in M.all_configs(self.profile))
-        self.assertLessEqual(M.required_budget(self.profile, M.plan(self.profile, smallest)), smallest)
-        with self.assertRaisesRegex(M.BudgetError, f"smallest feasible budget is {smallest:,} bytes"):
-            M.plan(self.profile, smallest - 1)
+        roomy = CM.required_budget(self.profile, plain)
+        self.assertEqual(CM.plan(self.profile, roomy), plain)
+        smallest = min(CM.required_budget(self.profile, c) for c in CM.all_configs(self.profile))
+        self.assertLessEqual(CM.required_budget(self.profile, CM.plan(self.profile, smallest)), smallest)
+        with self.assertRaisesRegex(CM.BudgetError, f"smallest feasible budget is {smallest:,} bytes"):
+            CM.plan(self.profile, smallest - 1)
         for budget in [smallest, (smallest + roomy) // 2, *range(24_000, 90_000, 2_000)]:
-            chosen = M.plan(self.profile, budget)
-            fitting = [c for c in M.all_configs(self.profile)
-                       if M.required_budget(self.profile, c) <= budget]
-            self.assertEqual(M.predict_time(self.profile, chosen),
-                             min(M.predict_time(self.profile, c) for c in fitting))
+            chosen = CM.plan(self.profile, budget)
+            fitting = [c for c in CM.all_configs(self.profile)
+                       if CM.required_budget(self.profile, c) <= budget]
+            self.assertEqual(CM.predict_time(self.profile, chosen),
+                             min(CM.predict_time(self.profile, c) for c in fitting))
 
     def test_the_safety_factor_leaves_a_margin(self):
         for budget in range(60_000, 90_000, 1_000):
-            chosen = M.plan(self.profile, budget)
-            self.assertLessEqual(math.ceil(1.1 * M.predict_peak(self.profile, chosen)), budget)
+            chosen = CM.plan(self.profile, budget)
+            self.assertLessEqual(math.ceil(1.1 * CM.predict_peak(self.profile, chosen)), budget)
         plain = M.OffloadConfig(len(self.profile.chunk_used), 0)
-        peak = M.predict_peak(self.profile, plain)
-        self.assertNotEqual(M.plan(self.profile, peak), plain)  # a peak equal to the budget: no
-        self.assertEqual(M.plan(self.profile, peak, safety=1.0), plain)  # ... unless asked for
-        self.assertTrue(1.1 * peak <= M.required_budget(self.profile, plain) < 1.1 * peak + 1)
+        peak = CM.predict_peak(self.profile, plain)
+        self.assertNotEqual(CM.plan(self.profile, peak), plain)  # a peak equal to the budget: no
+        self.assertEqual(CM.plan(self.profile, peak, safety=1.0), plain)  # ... unless asked for
+        self.assertTrue(1.1 * peak <= CM.required_budget(self.profile, plain) < 1.1 * peak + 1)
 
 
 class TestDocNumbers(unittest.TestCase):
@@ -285,16 +286,16 @@ class TestDocNumbers(unittest.TestCase):
         plain = M.OffloadConfig(len(profile.chunk_used), 0)
         layers = config["layers"]
         self.assertQuoted(f"{len(profile.chunk_used)} chunks")
-        self.assertQuoted(f"the {len(M.all_configs(profile))} configurations")
+        self.assertQuoted(f"the {len(CM.all_configs(profile))} configurations")
         for candidate in (plain, M.OffloadConfig(0, 0), M.OffloadConfig(0, layers - 1)):
-            self.assertQuoted(f"{M.predict_peak(profile, candidate):,} B")
-        self.assertQuoted(f"{int(0.6 * M.predict_peak(profile, plain)):,} B")
+            self.assertQuoted(f"{CM.predict_peak(profile, candidate):,} B")
+        self.assertQuoted(f"{int(0.6 * CM.predict_peak(profile, plain)):,} B")
         everything = M.OffloadConfig(0, layers)
         run = C.train_offloaded(config, everything, 2, args.seed)
-        self.assertQuoted(f"{M.predict_peak(profile, everything):,} predicted vs "
+        self.assertQuoted(f"{CM.predict_peak(profile, everything):,} predicted vs "
                           f"{run['peak_bytes']:,} measured")
-        self.assertQuoted(f"{M.count_fetches(profile, M.OffloadConfig(0, 0))} per step")
-        smallest = min(M.required_budget(profile, c) for c in M.all_configs(profile))
+        self.assertQuoted(f"{CM.count_fetches(profile, M.OffloadConfig(0, 0))} per step")
+        smallest = min(CM.required_budget(profile, c) for c in CM.all_configs(profile))
         self.assertQuoted(f"{smallest:,} B")
 
     def test_gpt2_xl(self):
