@@ -141,8 +141,8 @@ def batch_for_step(data: torch.Tensor, config: GPTRunConfig, step: int, rank: in
 # ============================================================================ 2. model and optimizer
 
 
-# exercise decay-groups (2 points): AdamW's parameter groups by nanoGPT's rule
-# hint: decide by p.dim(), not by the parameter's name.
+# exercise accumulation-step (6 points): AdamW's groups, then the step: accumulation under no_sync and one clip
+# hint: decide the groups by p.dim(), not by the parameter's name.
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's parameter groups by nanoGPT's rule (model.py, configure_optimizers): every
     tensor of 2 or more dimensions decays (the matmul weights and the embedding tables, the
@@ -161,7 +161,7 @@ def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 # ============================================================================ 3. the training step
 
 
-# exercise accumulation-step (4 points): The step: accumulation under no_sync, then global-norm clipping
+# exercise accumulation-step (continued)
 # hint: only the last micro-batch's backward may all-reduce; clip once, on the full sum.
 def accumulation_step(ddp: torch.nn.Module, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       scheduler, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],

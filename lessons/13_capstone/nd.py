@@ -89,7 +89,7 @@ class Layout:
                           if getattr(self, dim) > 1) or "one rank"
 
 
-# exercise mesh-groups (2 points): Which ranks share each dimension of the mesh
+# exercise compose-step (7 points): The mesh's groups; where the gradients, the norm and the loss are partial
 # hint: fix every other coordinate, vary `dim`'s from 0 to its size - 1 (Layout.rank_of).
 def dimension_groups(layout: Layout, dim: str) -> list[list[int]]:
     """The groups of ranks that share every coordinate but `dim`'s: the ranks one collective
@@ -305,7 +305,7 @@ class NDTrainer:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.t().reshape(-1),
                                reduction="sum") / (b * self.config.seq)
 
-    # exercise compose-step (5 points): Where the gradients, the norm and the loss are partial
+    # exercise compose-step (continued)
     # hint: a gradient is partial over every dimension that split the work computing it and
     #   replicated over the others; count each element of the norm once; the loss lives on
     #   the last stage only.

@@ -118,7 +118,7 @@ class TestPieces(unittest.TestCase):
         self.assertIsNone(warning)
 
 
-@exercise("decay-groups")
+@exercise("accumulation-step")
 class TestDecayGroups(unittest.TestCase):
     def test_2d_tensors_decay_and_1d_ones_do_not(self):
         model = M.memory.TinyGPT(58, 64, 4, 2, 64)

@@ -82,7 +82,7 @@ def tearDownModule():
         shutil.rmtree(Runs.scratch, ignore_errors=True)
 
 
-@exercise("mesh-groups")
+@exercise("compose-step")
 class TestMeshGroups(unittest.TestCase):
     def test_a_small_grid_by_hand(self):
         layout = nd.Layout(dp=2, tp=2)  # ranks (dp, tp): 0 (0,0), 1 (0,1), 2 (1,0), 3 (1,1)
