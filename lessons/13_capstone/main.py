@@ -141,7 +141,7 @@ def batch_for_step(data: torch.Tensor, config: GPTRunConfig, step: int, rank: in
 # ============================================================================ 2. model and optimizer
 
 
-# exercise accumulation-step (6 points): AdamW's groups, then the step: accumulation under no_sync and one clip
+# exercise accumulation-step (6 points): AdamW's groups, then the step: accumulation and one clip
 # hint: decide the groups by p.dim(), not by the parameter's name.
 def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """AdamW's parameter groups by nanoGPT's rule (model.py, configure_optimizers): every
