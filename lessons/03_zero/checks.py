@@ -1,8 +1,8 @@
-"""Lesson 03's proof: every ZeRO stage of main.py against plain data parallelism over the same
-ring, one process on the whole batch, torch's ZeroRedundancyOptimizer and FSDP2 `fully_shard`;
-the bytes held and sent against the formulas; global-norm clipping on shards against
-`torch.nn.utils.clip_grad_norm_`; the demo's check table and the CLI (`--memory` is the
-paper's calculator).
+"""Lesson 03's proof: every ZeRO stage (main.py, and zero3.py for stage 3) against plain data
+parallelism over the same ring, one process on the whole batch, torch's ZeroRedundancyOptimizer
+and FSDP2 `fully_shard`; the bytes held and sent against the formulas; global-norm clipping on
+shards against `torch.nn.utils.clip_grad_norm_`; the demo's check table and the CLI
+(`--memory` is the paper's calculator).
 
 Tolerances: every run is float64 (on CUDA too: TF32 applies to float32 only), so the stages
 differ from plain DP and from one process only in the order gradients are summed (about 1e-16
@@ -38,6 +38,7 @@ from lessons._report import (
 )
 
 from . import main as zero
+from . import zero3
 
 collectives, data_parallel = zero.collectives, zero.data_parallel
 LESSON = "03_zero"
@@ -70,7 +71,7 @@ class RingDataParallelAdam:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-TRAINERS = {0: RingDataParallelAdam, 1: zero.ZeroStage1, 2: zero.ZeroStage2, 3: zero.ZeroStage3}
+TRAINERS = {0: RingDataParallelAdam, 1: zero.ZeroStage1, 2: zero.ZeroStage2, 3: zero3.ZeroStage3}
 
 
 def expected_live_bytes(stage: int, num_params: int, shard_params: int, itemsize: int) -> dict[str, int]:
@@ -100,7 +101,7 @@ def live_bytes(trainer) -> dict[str, int]:
     parameters and any copy regathered for backward are counted too: both must be empty."""
     full = [p for _, p in trainer.named]
     params = full
-    if isinstance(trainer, zero.ZeroStage3):
+    if isinstance(trainer, zero3.ZeroStage3):
         params = trainer.shards + full + list(trainer.regathered.values())
     grads = [p.grad for p in full] + [s.grad for s in getattr(trainer, "shards", [])]
     states = [value for state in trainer.optimizer.state.values()
@@ -112,7 +113,7 @@ def live_bytes(trainer) -> dict[str, int]:
 def full_parameters(trainer) -> torch.Tensor:
     """Every parameter, flattened and concatenated in named_parameters() order (ZeRO-3:
     all-gathered from the shards)."""
-    if isinstance(trainer, zero.ZeroStage3):
+    if isinstance(trainer, zero3.ZeroStage3):
         return torch.cat([collectives.ring_all_gather(shard.detach(), shape.numel())
                           for shard, shape in zip(trainer.shards, trainer.shapes)])
     return data_parallel.flat_params(trainer.model)

@@ -9,7 +9,8 @@ it is needed. In teaching order:
 3. ZeRO-1 (`ZeroStage1`): Adam states sharded; the step reduce-scatters the gradients, runs
    Adam on my shard and all-gathers the parameters;
 4. what ZeRO-2 adds (`ZeroStage2`): each gradient is reduce-scattered as backward produces it;
-5. what ZeRO-3 adds (`ZeroStage3`): parameters sharded, gathered just before use, freed after;
+5. what ZeRO-3 adds (`ZeroStage3`, in zero3.py: its hooks are a story of their own):
+   parameters sharded, gathered just before use, freed after; `ZeroAdam` builds any stage;
 6. global-norm gradient clipping on shards (`sharded_clip_grad_norm_`);
 7. communication: 2 Psi per step for DP and ZeRO-1/2, 3 Psi for ZeRO-3.
 
@@ -225,137 +226,21 @@ class ZeroStage2(ZeroStage1):
         """Nothing left: every gradient was reduce-scattered during backward."""
 
 
-# ============================================================================ 5. what ZeRO-3 adds
-
-
-# exercise zero3-hooks (5 points): ZeRO-3: gather before use, free after, regather for backward
-# hint: forward is lesson 01's all-gather (detach the shard), backward `reduce_scatter_mean`
-#   plus dropping `regathered[index]`; the forward pre-hook sets each attribute to
-#   `self.gather(index)` and enters `torch.autograd.graph.saved_tensors_hooks(pack, unpack)`,
-#   pack matching a saved tensor to a gathered weight by `untyped_storage().data_ptr()`; the
-#   forward hook leaves it, sets the attributes to None and registers `regather_hook` on the output.
-class _GatherParameter(torch.autograd.Function):
-    """shard (n_r,) -> full parameter (n,) by a ring all-gather. Backward: the full gradient
-    (n,) is reduce-scattered and averaged into the shard's gradient, and the copy of the
-    parameter gathered again for this layer's backward is dropped.
-    forward(ctx, shard, numel, zero, index) -> lesson 01's ring all-gather of shard.detach()
-    into (numel,), counted in zero.traffic; keep zero and index on ctx.
-    backward(ctx, grad_full (numel,)) -> (`reduce_scatter_mean(grad_full)` (n_r,), None, None,
-    None), after removing entry `index` from zero.regathered (if present)."""
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, numel: int, zero: ZeroStage3, index: int) -> torch.Tensor:
-        ctx.zero, ctx.index = zero, index
-        return collectives.ring_all_gather(shard.detach(), numel, zero.traffic)
-
-    @staticmethod
-    def backward(ctx, grad_full: torch.Tensor):
-        ctx.zero.regathered.pop(ctx.index, None)  # this layer's backward is done with it
-        return reduce_scatter_mean(grad_full, ctx.zero.traffic), None, None, None
-
-
-class ZeroStage3(ZeroStage2):
-    """ZeRO-3 (P_os+g+p) = ZeRO-2 + sharded parameters: the modules keep only hooks, this rank
-    keeps its shards (Psi_r elements), and a layer's full weights exist only while it runs:
-    gathered before its forward, dropped after (autograd keeps a recipe, not the weight),
-    gathered again when backward reaches the layer, dropped once the gather's backward has
-    reduce-scattered the gradient. Sends 3 Psi (N-1)/N per step (two all-gathers and one
-    reduce-scatter), 1.5x ZeRO-1; after the step there is nothing to all-gather."""
-
-    def make_shard(self, param: nn.Parameter, start: int, end: int) -> nn.Parameter:
-        """A standalone copy of elements [start, end): the full parameter is deleted."""
-        return nn.Parameter(param.detach().reshape(-1)[start:end].clone())
-
-    def install_hooks(self) -> None:
-        self.shapes = [param.shape for _, param in self.named]
-        index_of = {id(param): index for index, (_, param) in enumerate(self.named)}
-        self.regathered: dict[int, torch.Tensor] = {}  # index -> full parameter, in backward
-        self.saved_tensor_hooks: list = []  # a stack: modules with parameters may nest
-        for module in self.model.modules():
-            entries = [(attr, index_of[id(p)]) for attr, p in module.named_parameters(recurse=False)]
-            for attr, _ in entries:  # the module keeps no parameter, only hooks
-                del module._parameters[attr]
-                setattr(module, attr, None)
-            if entries:
-                module.register_forward_pre_hook(self.gather_parameters_hook(entries))
-                module.register_forward_hook(self.free_parameters_hook(entries))
-        for _, param in self.named:  # the shards are copies: free the full parameters
-            param.data = param.data.new_empty(0)
-
-    def gather(self, index: int) -> torch.Tensor:
-        """Parameter `index`, full and in its shape, differentiable through `_GatherParameter`."""
-        full = _GatherParameter.apply(self.shards[index], self.shapes[index].numel(), self, index)
-        return full.view(self.shapes[index])
-
-    # exercise zero3-hooks (continued)
-    def gather_parameters_hook(self, entries: list[tuple[str, int]]):
-        """Forward pre-hook of a layer owning `entries` [(attribute, parameter index)]: set each
-        attribute to `gather(index)` and enter saved-tensor hooks under which autograd saves a
-        recipe (index, size, stride, offset) for any view of a gathered parameter instead of
-        its bytes; activations are saved as usual. Sends (N-1)/N n per parameter.
-        The hooks object goes on the stack `saved_tensor_hooks` (entered here, left by
-        `free_parameters_hook`); unpack turns a recipe back into a view of regathered[index]
-        by as_strided(size, stride, offset). Returns hook(module, args) -> None."""
-        def hook(module: nn.Module, args) -> None:
-            storages = {}
-            for attr, index in entries:
-                full = self.gather(index)
-                setattr(module, attr, full)
-                storages[full.untyped_storage().data_ptr()] = index
-
-            def pack(tensor: torch.Tensor):
-                index = storages.get(tensor.untyped_storage().data_ptr())
-                if index is None:
-                    return tensor  # an activation: keep it
-                return index, tensor.size(), tensor.stride(), tensor.storage_offset()
-
-            def unpack(saved):
-                if isinstance(saved, torch.Tensor):
-                    return saved
-                index, size, stride, offset = saved
-                return self.regathered[index].as_strided(size, stride, offset)
-
-            self.saved_tensor_hooks.append(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-            self.saved_tensor_hooks[-1].__enter__()
-        return hook
-
-    # exercise zero3-hooks (continued)
-    def free_parameters_hook(self, entries: list[tuple[str, int]]):
-        """Forward hook: leave the saved-tensor hooks, set the attributes back to None (the
-        full weights are freed), and hook the layer's output so that backward regathers them:
-        output.register_hook(`regather_hook(entries)`) when the output requires grad.
-        Returns hook(module, args, output) -> None."""
-        def hook(module: nn.Module, args, output: torch.Tensor) -> None:
-            self.saved_tensor_hooks.pop().__exit__(None, None, None)
-            for attr, _ in entries:
-                setattr(module, attr, None)
-            if output.requires_grad:  # fires when backward reaches this layer's output
-                output.register_hook(self.regather_hook(entries))
-        return hook
-
-    # exercise zero3-hooks (continued)
-    def regather_hook(self, entries: list[tuple[str, int]]):
-        """Tensor hook on a layer's output, run just before the layer's backward: all-gather
-        each of its parameters into `regathered[index]` (full shape, `gather(index)` detached:
-        no second gradient path). Sends (N-1)/N n each. Returns hook(grad_output) -> None."""
-        def hook(grad_output: torch.Tensor) -> None:
-            for _, index in entries:
-                self.regathered[index] = self.gather(index).detach()
-        return hook
-
-    def all_gather_parameters(self) -> None:
-        """Nothing to do: the next forward gathers each layer just in time."""
+# ============================================================================ 5. ZeRO-3 (zero3.py); any stage
 
 
 class ZeroAdam(ZeroStage1):
     """ZeRO-`stage` Adam over `model`: ZeroAdam(model, stage, lr) builds ZeroStage1, ZeroStage2
-    or ZeroStage3 (the one name lesson 06 builds on; ZeroAdam.step is ZeroStage1.step)."""
+    or zero3.py's ZeroStage3 (the one name lesson 06 builds on; ZeroAdam.step is
+    ZeroStage1.step)."""
 
     def __new__(cls, model: nn.Module, stage: int, lr: float = LR) -> ZeroStage1:
-        stages = {1: ZeroStage1, 2: ZeroStage2, 3: ZeroStage3}
-        if stage not in stages:
+        if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        return stages[stage](model, lr)  # not a ZeroAdam: Python does not run __init__ again
+        # the object returned is not a ZeroAdam, so Python does not run __init__ again
+        if stage == 3:  # zero3.py builds on ZeroStage2 above, so it is imported when asked for
+            return importlib.import_module("lessons.03_zero.zero3").ZeroStage3(model, lr)
+        return (ZeroStage1 if stage == 1 else ZeroStage2)(model, lr)
 
 
 # ============================================================================ 6. clipping shards

@@ -1,5 +1,5 @@
 """Functions that lesson 03's tests run on spawned ranks (importable by their dotted name): the
-demo's checks (the integration criterion) and one worker per exercise of main.py.
+demo's checks (the integration criterion) and one worker per exercise of main.py and zero3.py.
 
 An exercise's worker grades that exercise alone: the pieces of the *other* exercises that it
 needs run as the reference versions below (`other_exercises_given`), so a learner's ZeRO-2
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from lessons._checks import max_abs_diff
 
 M = importlib.import_module("lessons.03_zero.main")  # the technique
+Z3 = importlib.import_module("lessons.03_zero.zero3")  # the technique: ZeRO-3
 C = importlib.import_module("lessons.03_zero.checks")  # the proof
 collectives = M.collectives
 STEPS, BATCH, ITEMSIZE = 3, 24, 8  # float64 training runs
@@ -258,7 +259,7 @@ def zero3_hooks(ctx) -> dict:
     result = {}
     with other_exercises_given():
         model = C.data_parallel.make_model(rank, **C.SIZES)
-        zero = M.ZeroStage3(model)
+        zero = Z3.ZeroStage3(model)
         plain = C.data_parallel.make_model(0, **C.SIZES)
         x, y = C.batch_on(ctx, 0, 4 * world, 0)
         loss = F.mse_loss(model(x), y)
@@ -284,7 +285,7 @@ def zero3_hooks(ctx) -> dict:
                                 f"(the gather's backward must drop them)",
             "" if not zero.saved_tensor_hooks else
             f"rank {rank}: {len(zero.saved_tensor_hooks)} saved-tensor hooks left entered"])
-        result.update(trajectory(ctx, M.ZeroStage3, 3))
+        result.update(trajectory(ctx, Z3.ZeroStage3, 3))
     return result
 
 

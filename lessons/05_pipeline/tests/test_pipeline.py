@@ -26,6 +26,7 @@ from lessons._testing import (
 )
 
 M = importlib.import_module("lessons.05_pipeline.main")
+S = importlib.import_module("lessons.05_pipeline.schedules")  # the orders main.py runs
 C = importlib.import_module("lessons.05_pipeline.checks")
 W = importlib.import_module("lessons.05_pipeline.tests.workers")
 README = Path(M.__file__).with_name("README.md")
@@ -52,9 +53,9 @@ class TestOneFOneB(unittest.TestCase):
         for warmup, expected in ((0, "F0 B0 F1 B1 F2 B2 F3 B3"), (1, "F0 F1 B0 F2 B1 F3 B2 B3"),
                                  (2, "F0 F1 F2 B0 F3 B1 B2 B3"), (4, "F0 F1 F2 F3 B0 B1 B2 B3")):
             with self.subTest(warmup=warmup):
-                self.assertEqual(M.warmup_then_alternate(forwards, backwards, warmup), ops(expected))
+                self.assertEqual(S.warmup_then_alternate(forwards, backwards, warmup), ops(expected))
         self.assertEqual(forwards, ops("F0 F1 F2 F3"), "the given lists are not changed")
-        chunked = M.warmup_then_alternate(ops("F0.0 F1.0 F0.1 F1.1"), ops("B0.1 B1.1 B0.0 B1.0"), 3)
+        chunked = S.warmup_then_alternate(ops("F0.0 F1.0 F0.1 F1.1"), ops("B0.1 B1.1 B0.0 B1.0"), 3)
         self.assertEqual(chunked, ops("F0.0 F1.0 F0.1 F1.1 B0.1 B1.1 B0.0 B1.0"))
 
     def test_order_on_every_device(self):
@@ -187,7 +188,7 @@ class TestClosedForms(unittest.TestCase):
 class TestOrders(unittest.TestCase):
     def test_bad_inputs(self):
         with self.assertRaisesRegex(ValueError, "multiple of stages"):
-            M.interleaved_order(4, 6, 2)
+            S.interleaved_order(4, 6, 2)
         with self.assertRaises(ValueError):
             M.schedule_order("nope", 2, 2)
         with self.assertRaises(ValueError):

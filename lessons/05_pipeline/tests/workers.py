@@ -9,6 +9,7 @@ import importlib
 import torch.distributed as dist
 
 M = importlib.import_module("lessons.05_pipeline.main")
+S = importlib.import_module("lessons.05_pipeline.schedules")  # the orders main.py runs
 C = importlib.import_module("lessons.05_pipeline.checks")
 
 
@@ -24,7 +25,7 @@ def expected_1f1b(stages: int, microbatches: int, device: int) -> list[tuple[str
 def oracle_order(kind: str, stages: int, microbatches: int) -> list[list]:
     """Per-device orders of GPipe (given) or 1F1B (from `expected_1f1b`)."""
     if kind == "gpipe":
-        return M.gpipe_order(stages, microbatches)
+        return S.gpipe_order(stages, microbatches)
     return [[M.Op(k, i) for k, i in expected_1f1b(stages, microbatches, d)] for d in range(stages)]
 
 
