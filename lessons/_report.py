@@ -27,6 +27,7 @@ from lessons._launch import (
     choose_device,
     end_torchrun_process,
     is_reporting_rank,
+    launch,
     under_torchrun,
 )
 
@@ -117,6 +118,16 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         choose_device(args.device, args.world_size)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def launch_checks(worker: Callable, args: argparse.Namespace,
+                  worker_args: tuple) -> tuple[list[Any], list[Check]]:
+    """A demo's ranks: `worker(ctx, *worker_args, args.fault, args.fault_rank)` on
+    args.world_size ranks of args.device, within args.timeout. Returns (each rank's result, in
+    rank order; the ranks' "checks" merged by `merge_rank_checks`)."""
+    results = launch(worker, args.world_size, (*worker_args, args.fault, args.fault_rank),
+                     device=args.device, timeout_s=args.timeout)
+    return results, merge_rank_checks([r["checks"] for r in results])
 
 
 def merge_rank_checks(per_rank: list[list[dict]]) -> list[Check]:

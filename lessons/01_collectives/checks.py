@@ -19,15 +19,15 @@ import torch
 import torch.distributed as dist
 
 from lessons._checks import compare, sum_order_tolerance
-from lessons._launch import RankContext, choose_device, inject_fault, launch, under_torchrun
+from lessons._launch import RankContext, choose_device, inject_fault, under_torchrun
 from lessons._report import (
     Check,
     Report,
     check_args,
     finish,
     int_in,
+    launch_checks,
     lesson_parser,
-    merge_rank_checks,
 )
 
 from . import latency_optimal
@@ -287,11 +287,8 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    results = launch(verify_worker, args.world_size,
-                     (args.numel, args.dtype, args.seed, args.fault, args.fault_rank),
-                     device=args.device, timeout_s=args.timeout)
+    results, checks = launch_checks(verify_worker, args, (args.numel, args.dtype, args.seed))
     world = len(results)
-    checks = merge_rank_checks([r["checks"] for r in results])
     itemsize = torch.empty(0, dtype=DTYPES[args.dtype]).element_size()
     size_bytes = args.numel * itemsize
     metrics = {

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, choose_device, inject_fault, launch, under_torchrun
+from lessons._launch import RankContext, choose_device, inject_fault, under_torchrun
 from lessons._report import (
     Check,
     Report,
@@ -27,8 +27,8 @@ from lessons._report import (
     finish,
     float_in,
     int_in,
+    launch_checks,
     lesson_parser,
-    merge_rank_checks,
 )
 
 from . import main as data_parallel
@@ -291,11 +291,8 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    results = launch(verify_worker, args.world_size,
-                     (args.seed, args.steps, args.batch, args.fault, args.fault_rank),
-                     device=args.device, timeout_s=args.timeout)
+    results, checks = launch_checks(verify_worker, args, (args.seed, args.steps, args.batch))
     world = len(results)
-    checks = merge_rank_checks([r["checks"] for r in results])
     metrics = dict(results[0]["metrics"])
     if args.bench:
         from . import bench

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, inject_fault, is_reporting_rank, launch, under_torchrun
+from lessons._launch import RankContext, inject_fault, is_reporting_rank, under_torchrun
 from lessons._report import (
     Check,
     Report,
@@ -33,8 +33,8 @@ from lessons._report import (
     finish,
     float_in,
     int_in,
+    launch_checks,
     lesson_parser,
-    merge_rank_checks,
 )
 
 from . import main as zero
@@ -228,7 +228,7 @@ def train_torch(ctx: RankContext, kind: str, seed: int, steps: int, batch: int) 
                                             lr=zero.LR, foreach=False)
     elif kind == "fsdp2":
         data_parallel.broadcast_parameters_and_buffers(model)  # FSDP2 does not broadcast
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size))
         for layer in (model.fc1, model.fc2, model.head):
             fully_shard(layer, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
@@ -349,7 +349,7 @@ def fsdp2_peak_worker(ctx: RankContext, hidden: int, layers: int) -> dict:
         raise RuntimeError("fsdp2_peak_worker measures CUDA memory: run it with --device cuda")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)]).to(ctx.device)
-    mesh = init_device_mesh("cuda", (ctx.world_size,))
+    mesh = init_device_mesh("cuda", (ctx.world_size))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -419,10 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.memory:
         return finish(memory_report(args), args.json, started)
-    results = launch(verify_worker, args.world_size,
-                     (args.seed, args.steps, args.batch, args.fault, args.fault_rank),
-                     device=args.device, timeout_s=args.timeout)
-    checks = merge_rank_checks([r["checks"] for r in results])
+    results, checks = launch_checks(verify_worker, args, (args.seed, args.steps, args.batch))
     metrics = dict(results[0]["metrics"])
     metrics["memory_7_5e9_dp64"] = zero.memory_table_gb(7.5e9, 64)
     ratio = metrics["zero3_over_zero1_bytes"]

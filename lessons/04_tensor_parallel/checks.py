@@ -18,15 +18,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, inject_fault, launch, under_torchrun
+from lessons._launch import RankContext, inject_fault, under_torchrun
 from lessons._report import (
     Check,
     Report,
     check_args,
     finish,
     int_in,
+    launch_checks,
     lesson_parser,
-    merge_rank_checks,
 )
 
 from . import main as tensor_parallel
@@ -258,10 +258,8 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    results = launch(verify_worker, args.world_size,
-                     (args.seed, args.seq, args.batch, args.hidden, args.heads, args.fault,
-                      args.fault_rank), device=args.device, timeout_s=args.timeout)
-    checks = merge_rank_checks([r["checks"] for r in results])
+    results, checks = launch_checks(
+        verify_worker, args, (args.seed, args.seq, args.batch, args.hidden, args.heads))
     metrics = dict(results[0]["metrics"])
     world = len(results)
     metrics["layernorm_activation_elements"] = {

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, choose_device, inject_fault, launch, one_thread
+from lessons._launch import RankContext, choose_device, inject_fault, one_thread
 from lessons._report import (
     Check,
     Report,
@@ -23,8 +23,8 @@ from lessons._report import (
     finish,
     float_in,
     int_in,
+    launch_checks,
     lesson_parser,
-    merge_rank_checks,
 )
 
 from . import main as osft
@@ -380,9 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
     device, backend = choose_device(args.device, args.world_size)
-    results = launch(verify_worker, args.world_size, (args.seed, args.steps, args.fault, args.fault_rank),
-                     device=args.device, timeout_s=args.timeout)
-    checks = merge_rank_checks([r["checks"] for r in results])
+    results, checks = launch_checks(verify_worker, args, (args.seed, args.steps))
     metrics = dict(results[0]["metrics"])
     continual = metrics["continual"]
     metrics["forgetting_full_ft"] = continual["forgetting_full_ft"]

@@ -21,15 +21,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, inject_fault, launch, under_torchrun
+from lessons._launch import RankContext, inject_fault, under_torchrun
 from lessons._report import (
     Check,
     Report,
     check_args,
     finish,
     int_in,
+    launch_checks,
     lesson_parser,
-    merge_rank_checks,
 )
 
 from . import main as context_parallel
@@ -287,7 +287,7 @@ def try_torch_context_parallel(ctx: RankContext, seq: int, heads: int, head_dim:
     q, k, v, _ = full_inputs(0, seq, heads, head_dim, ctx.device)
     q, k, v = (t[None].float() for t in (q, k, v))
     try:
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size))
         with torch_cp(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return f"ok: local output {tuple(out.shape)}"
@@ -331,11 +331,9 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    results = launch(verify_worker, args.world_size,
-                     (args.seed, args.seq, args.heads, args.head_dim, args.causal, args.layout,
-                      args.variant, args.fault, args.fault_rank), device=args.device,
-                     timeout_s=args.timeout)
-    checks = merge_rank_checks([r["checks"] for r in results])
+    results, checks = launch_checks(
+        verify_worker, args, (args.seed, args.seq, args.heads, args.head_dim, args.causal, args.layout,
+                              args.variant))
     world = len(results)
     ring_sent = context_parallel.ring_bytes_per_rank(args.seq, args.heads, args.head_dim, world, 8)
     ulysses_sent = ulysses.ulysses_bytes_per_rank(args.seq, args.heads, args.head_dim, world, 8)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, inject_fault, launch, under_torchrun
+from lessons._launch import RankContext, inject_fault, under_torchrun
 from lessons._report import (
     Check,
     Report,
@@ -27,8 +27,8 @@ from lessons._report import (
     finish,
     float_in,
     int_in,
+    launch_checks,
     lesson_parser,
-    merge_rank_checks,
 )
 
 from . import main as expert_parallel
@@ -300,11 +300,9 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    results = launch(verify_worker, args.world_size,
-                     (args.seed, args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
-                      args.capacity_factor, args.aux_loss_coef, args.fault, args.fault_rank),
-                     device=args.device, timeout_s=args.timeout)
-    checks = merge_rank_checks([r["checks"] for r in results])
+    results, checks = launch_checks(
+        verify_worker, args, (args.seed, args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
+                              args.capacity_factor, args.aux_loss_coef))
     world = len(results)
     metrics = {
         "experts": args.experts, "top_k": args.top_k, "capacity_factor": args.capacity_factor,
