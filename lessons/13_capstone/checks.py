@@ -168,7 +168,9 @@ def plot_losses(result: dict, path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None):
     parser = lesson_parser("A character-level GPT trained with data parallelism, accumulation, "
-                           "clipping, sharded checkpoints and exact resume.", world_size=2)
+                           "clipping, sharded checkpoints and exact resume; with --dp/--tp/--pp/--cp "
+                           "on one DeviceMesh (nd.py); --plan lists the layouts that fit a cluster.",
+                           world_size=2)
     defaults = capstone.GPTRunConfig()
     parser.add_argument("--steps", type=int_in(2, 10**7), default=defaults.steps,
                         help=f"optimizer steps (default {defaults.steps})")
