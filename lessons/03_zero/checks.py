@@ -228,7 +228,7 @@ def train_torch(ctx: RankContext, kind: str, seed: int, steps: int, batch: int) 
                                             lr=zero.LR, foreach=False)
     elif kind == "fsdp2":
         data_parallel.broadcast_parameters_and_buffers(model)  # FSDP2 does not broadcast
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size))
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         for layer in (model.fc1, model.fc2, model.head):
             fully_shard(layer, mesh=mesh)
         wrapped = fully_shard(model, mesh=mesh)
@@ -349,7 +349,7 @@ def fsdp2_peak_worker(ctx: RankContext, hidden: int, layers: int) -> dict:
         raise RuntimeError("fsdp2_peak_worker measures CUDA memory: run it with --device cuda")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(hidden, hidden) for _ in range(layers)]).to(ctx.device)
-    mesh = init_device_mesh("cuda", (ctx.world_size))
+    mesh = init_device_mesh("cuda", (ctx.world_size,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

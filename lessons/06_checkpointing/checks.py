@@ -433,7 +433,7 @@ def dcp_save(ctx: RankContext, state: dict[str, torch.Tensor], path: Path) -> No
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size))
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     dcp.save({name: distribute_tensor(t.to(ctx.device), mesh, [Shard(0)])
               for name, t in state.items()}, checkpoint_id=str(path))
 
@@ -446,7 +446,7 @@ def dcp_load(ctx: RankContext, sizes: dict[str, int], path: Path, sharded: bool)
     from torch.distributed.tensor import Shard, distribute_tensor
     zeros = {name: torch.zeros(n, dtype=torch.float64, device=ctx.device) for name, n in sizes.items()}
     if sharded:
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size))
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         zeros = {name: distribute_tensor(t, mesh, [Shard(0)]) for name, t in zeros.items()}
     dcp.load(zeros, checkpoint_id=str(path))
     return {name: (t.full_tensor() if sharded else t).cpu() for name, t in zeros.items()}

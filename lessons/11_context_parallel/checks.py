@@ -287,7 +287,7 @@ def try_torch_context_parallel(ctx: RankContext, seq: int, heads: int, head_dim:
     q, k, v, _ = full_inputs(0, seq, heads, head_dim, ctx.device)
     q, k, v = (t[None].float() for t in (q, k, v))
     try:
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size))
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         with torch_cp(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2]):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return f"ok: local output {tuple(out.shape)}"
