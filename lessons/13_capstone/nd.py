@@ -24,8 +24,8 @@ imported from its lesson, on one DeviceMesh whose four dimensions are nested lik
 
 Simplified against Megatron-LM and torchtitan: the vocabulary is not split over tp (every tp
 rank holds both tables and the head), no dropout (with TP it needs per-region RNG streams),
-one model chunk per stage, ZeRO-1 only, fp32 on GPUs (no autocast), and point-to-point rings
-rather than fused kernels.
+one model chunk per stage, ZeRO-1 only, attention in fp32 under bf16 autocast, and
+point-to-point rings rather than fused kernels.
 """
 
 from __future__ import annotations
@@ -171,9 +171,11 @@ class ParallelBlock(tensor_parallel.SequenceParallelBlock):
         def heads_first(t: torch.Tensor) -> torch.Tensor:  # -> (b heads, s / cp, d)
             return t.reshape(s, b, self.heads, d).permute(1, 2, 0, 3).reshape(b * self.heads, s, d)
 
-        out = context_parallel.ring_attention(heads_first(q), heads_first(k), heads_first(v),
-                                              self.seq, True, "zigzag", group=self.cp_group)
-        return out.reshape(b, self.heads, s, d).permute(2, 0, 1, 3).reshape(s, b, width)
+        with torch.autocast(q.device.type, enabled=False):  # under bf16 autocast: the ring's
+            out = context_parallel.ring_attention(  # running output and lse stay fp32
+                heads_first(q).float(), heads_first(k).float(), heads_first(v).float(), self.seq,
+                True, "zigzag", group=self.cp_group)
+        return out.to(q.dtype).reshape(b, self.heads, s, d).permute(2, 0, 1, 3).reshape(s, b, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
@@ -183,10 +185,13 @@ class ParallelBlock(tensor_parallel.SequenceParallelBlock):
 
 class Stage(nn.Sequential):
     """This rank's part of the model: [Embedding] (stage 0), its L / pp ParallelBlocks, [Head]
-    (last stage). `placements` lists (parameter, nd_placement.Placement) in parameter order."""
+    (last stage). `placements` lists (parameter, nd_placement.Placement) in parameter order.
+    `bf16`: the forward under bf16 autocast (on GPUs, as main.py's run), its output in the
+    parameters' dtype (what the pipeline sends and the loss reads)."""
 
     def __init__(self, gpt: nd_model.GPT, layout: Layout, coords: dict[str, int],
-                 tp: tensor_parallel.TensorParallelGroup, cp_group: dist.ProcessGroup):
+                 tp: tensor_parallel.TensorParallelGroup, cp_group: dist.ProcessGroup,
+                 bf16: bool = False):
         seq = gpt.pos.weight.shape[0]
         if len(gpt.blocks) % layout.pp:
             raise ValueError(f"{len(gpt.blocks)} layers do not split over pp = {layout.pp}")
@@ -200,6 +205,7 @@ class Stage(nn.Sequential):
         if coords["pp"] == layout.pp - 1:
             modules.append(("", Head(gpt)))
         super().__init__(*(module for _, module in modules))
+        self.bf16, self.dtype = bf16, gpt.head.weight.dtype
         full = nd_model.global_state(gpt)
         self.placements: list[tuple[nn.Parameter, nd_placement.Placement]] = []
         for prefix, module in modules:
@@ -210,7 +216,9 @@ class Stage(nn.Sequential):
                 self.placements.append((param, placement))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x).contiguous()  # what a stage sends must be contiguous
+        with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=self.bf16):
+            out = super().forward(x)
+        return out.to(self.dtype).contiguous()  # what a stage sends must be contiguous
 
 
 # ============================================================================ 4. the step
@@ -276,18 +284,20 @@ class ZeroOverGroup(zero.ZeroStage1):
 class NDTrainer:
     """One rank's training on the mesh: `train_step(windows)` takes the step's global batch
     (B, seq + 1), the same on every rank, and returns (loss, gradient norm) of the whole
-    batch on every rank. Lesson 06's Checkpointer uses shard_state() / load_shards(), `step`,
-    `rank`, `world` and `config.fingerprint()`."""
+    batch on every rank. `bf16` (default: on GPUs) runs each stage's forward under bf16
+    autocast, attention in fp32. Lesson 06's Checkpointer uses shard_state() / load_shards(),
+    `step`, `rank`, `world` and `config.fingerprint()`."""
 
     def __init__(self, config: nd_model.GPTConfig, layout: Layout, mesh, device: torch.device,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, bf16: bool | None = None):
         self.config, self.layout, self.device = config, layout, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.coords = layout.coordinates(self.rank)
         self.mesh, self.groups = mesh, {dim: mesh.get_group(dim) for dim in DIMS}
         tp = tensor_parallel.TensorParallelGroup.join(self.groups["tp"])
+        bf16 = device.type == "cuda" if bf16 is None else bf16  # bf16 autocast on GPUs
         self.stage = Stage(nd_model.build_gpt(config, dtype), layout, self.coords, tp,
-                           self.groups["cp"]).to(device)
+                           self.groups["cp"], bf16).to(device)
         self.positions = local_positions(config.seq, layout, self.coords["cp"], self.coords["tp"])
         named = [(p.name, param) for param, p in self.stage.placements]
         self.zero = ZeroOverGroup(named, self.groups["dp"], lambda shards: nd_model.adamw(

@@ -83,18 +83,19 @@ def dcp_matches_ours(trainer: nd.NDTrainer, dcp_dir: str) -> dict:
 
 def layout_worker(ctx: RankContext, config: dict, layout: dict, batches: list[torch.Tensor],
                   ckpt_dir: str | None = None, save_every: int = 0, resume: bool = False,
-                  dcp_dir: str | None = None, dcp_save: bool = False) -> dict:
+                  dcp_dir: str | None = None, dcp_save: bool = False, bf16: bool = False) -> dict:
     """One rank: build the mesh and an NDTrainer (float64 on CPU), resume from `ckpt_dir`'s
     latest checkpoint if asked (any layout's: lesson 06's verified load, then load_shards),
     train until step len(batches) saving every `save_every` steps, and return plain data:
     {"coords", "groups": {dim: ranks of this rank's group}, "history": [(loss, norm)] of the
     steps it ran, "resumed_from", "state": shard_state() at the end, serialised}. With
     `dcp_dir`: at the end, save the same state with torch.distributed.checkpoint there
-    (`dcp_save`) or load it and compare with ours ("dcp")."""
+    (`dcp_save`) or load it and compare with ours ("dcp"). `bf16`: forwards under bf16 autocast
+    (the GPU run's precision, here on the CPU)."""
     config, layout = nd_model.GPTConfig(**config), nd.Layout(**layout)
     mesh = nd.build_mesh(layout, ctx.device.type)
-    dtype = torch.float64 if ctx.device.type == "cpu" else torch.float32
-    trainer = nd.NDTrainer(config, layout, mesh, ctx.device, dtype)
+    dtype = torch.float64 if ctx.device.type == "cpu" and not bf16 else torch.float32
+    trainer = nd.NDTrainer(config, layout, mesh, ctx.device, dtype, bf16=bf16)
     resumed_from = capstone.resume(trainer, Path(ckpt_dir), reshard=True) if resume else None
     checkpointer = (checkpointing.Checkpointer(Path(ckpt_dir), keep=4, save_every=save_every)
                     if ckpt_dir and save_every else None)
@@ -117,12 +118,12 @@ def layout_worker(ctx: RankContext, config: dict, layout: dict, batches: list[to
 def run_layout(config: nd_model.GPTConfig, layout: nd.Layout, batches: list[torch.Tensor],
                device: str = "cpu", ckpt_dir: Path | None = None, save_every: int = 0,
                resume: bool = False, dcp_dir: Path | None = None, dcp_save: bool = False,
-               timeout_s: float = 120.0) -> list[dict]:
+               bf16: bool = False, timeout_s: float = 120.0) -> list[dict]:
     """`layout_worker` on layout.world ranks; its results in rank order, states loaded."""
     results = launch(layout_worker, layout.world,
                      (dataclasses.asdict(config), dataclasses.asdict(layout), batches,
                       None if ckpt_dir is None else str(ckpt_dir), save_every, resume,
-                      None if dcp_dir is None else str(dcp_dir), dcp_save),
+                      None if dcp_dir is None else str(dcp_dir), dcp_save, bf16),
                      device=device, timeout_s=timeout_s)
     for result in results:
         result["state"] = torch.load(io.BytesIO(result["state"]), weights_only=True)

@@ -100,17 +100,19 @@ def adamw(params_by_dim: list[tuple[torch.Tensor, int]], config: GPTConfig) -> t
                               {"params": keep, "weight_decay": 0.0}], lr=config.lr, foreach=False)
 
 
-def train_one_process(config: GPTConfig, batches: list[torch.Tensor],
-                      dtype: torch.dtype = torch.float64) -> tuple[list[tuple[float, float]], GPT]:
+def train_one_process(config: GPTConfig, batches: list[torch.Tensor], dtype: torch.dtype = torch.float64,
+                      bf16: bool = False) -> tuple[list[tuple[float, float]], GPT]:
     """The reference every layout must equal: whole batches (B, seq + 1), mean cross-entropy,
-    torch's clip_grad_norm_, AdamW, warmup + cosine. Returns [(loss, norm before clipping)]."""
+    torch's clip_grad_norm_, AdamW, warmup + cosine; `bf16`: the forward under bf16 autocast
+    (on the CPU here). Returns [(loss, norm before clipping)]."""
     model = build_gpt(config, dtype)
     optimizer = adamw([(p, p.dim()) for p in model.parameters()], config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
     history = []
     for windows in batches:
-        logits = model(windows[:, :-1])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(windows[:, :-1]).to(dtype)
         loss = F.cross_entropy(logits.reshape(-1, config.vocab), windows[:, 1:].reshape(-1))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
