@@ -22,7 +22,7 @@ import torch.nn as nn
 from lessons._launch import RankContext, inject_fault, launch
 from lessons._report import Check, Report, check_args, finish, int_in, lesson_parser
 
-from . import adam8bit, mixed_precision
+from . import adam8bit, mixed_precision, tiny_gpt
 from . import main as memory
 
 LESSON = "07_memory"
@@ -212,11 +212,11 @@ def forward_backward(tracker: memory.MemoryTracker, model, tokens, targets) -> i
 def compare_recomputation(seq: int, batch: int, hidden: int, heads: int, layers: int,
                           seed: int = 0) -> dict:
     """Activation bytes alive after forward, and the gradients, with and without recompute."""
-    tokens, targets = memory.markov_batches(64, seq, batch, 1, seed)[0]
+    tokens, targets = tiny_gpt.markov_batches(64, seq, batch, 1, seed)[0]
     results = {}
     for recompute in (False, True):
         torch.manual_seed(seed)
-        model = memory.TinyGPT(64, hidden, heads, layers, seq, recompute=recompute)
+        model = tiny_gpt.TinyGPT(64, hidden, heads, layers, seq, recompute=recompute)
         tracker = memory.MemoryTracker()
         tracker.mark(model.parameters(), "parameter")
         torch.manual_seed(seed + 1)  # the same dropout masks in both runs
@@ -242,7 +242,7 @@ def gpt_step_on_meta(layers: int, hidden: int, heads: int, vocab: int, seq: int,
     that keeps them does, so at the backward peak beyond = peak - weights - gradients is what
     activations and the backward's temporaries add to the model states."""
     with torch.device("meta"):
-        model = memory.TinyGPT(vocab, hidden, heads, layers, seq, recompute=recompute).bfloat16()
+        model = tiny_gpt.TinyGPT(vocab, hidden, heads, layers, seq, recompute=recompute).bfloat16()
         for param in model.parameters():
             param.grad = torch.zeros_like(param)
     tokens = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -272,7 +272,7 @@ def train_curve(optimizer_name: str, batches: list[tuple], hidden: int, heads: i
     matmul differently, and the 8-bit rounding turns such last-bit differences into other
     codes, so the 8-bit curve's final loss moves by a few 1e-4 between CPUs (even in float64)."""
     torch.manual_seed(seed)
-    model = memory.TinyGPT(64, hidden, heads, layers, seq, dropout=0.0).to(dtype)
+    model = tiny_gpt.TinyGPT(64, hidden, heads, layers, seq, dropout=0.0).to(dtype)
     optimizer = make_optimizer(optimizer_name, model.parameters(), lr)
     losses = []
     for tokens, targets in batches:
@@ -289,9 +289,9 @@ def optimizer_state_bytes(optimizer_name: str, hidden: int, heads: int, layers: 
     """One fp32 step under the tracker: the bytes of the optimizer's states (m and v, codes and
     absmax; not Adam's step counters) and the parameters' sizes."""
     torch.manual_seed(seed)
-    model = memory.TinyGPT(64, hidden, heads, layers, seq, dropout=0.0)
+    model = tiny_gpt.TinyGPT(64, hidden, heads, layers, seq, dropout=0.0)
     optimizer = make_optimizer(optimizer_name, model.parameters(), 3e-3)
-    tokens, targets = memory.markov_batches(64, seq, 2, 1, seed)[0]
+    tokens, targets = tiny_gpt.markov_batches(64, seq, 2, 1, seed)[0]
     tracker = memory.MemoryTracker()
     with tracker:
         model.loss(tokens, targets).backward()
@@ -304,7 +304,7 @@ def optimizer_state_bytes(optimizer_name: str, hidden: int, heads: int, layers: 
 
 def compare_adam8bit(steps: int, hidden: int, heads: int, layers: int, seq: int, batch: int,
                      seed: int = 0) -> dict:
-    batches = memory.markov_batches(64, seq, batch, steps, seed)
+    batches = tiny_gpt.markov_batches(64, seq, batch, steps, seed)
     runs = {name: train_curve(name, batches, hidden, heads, layers, seq, seed=seed)
             for name in ("adam", "adam32_ours", "adam8bit")}
     sizes = {name: optimizer_state_bytes(name, hidden, heads, layers, seq, seed)
@@ -346,9 +346,9 @@ def cuda_cross_check(seed: int = 0) -> dict:
     then the peak statistics are reset and both count only what the second step adds."""
     device = torch.device("cuda")
     torch.manual_seed(seed)
-    model = memory.TinyGPT(64, 256, 8, 4, 128).to(device=device, dtype=torch.bfloat16)
+    model = tiny_gpt.TinyGPT(64, 256, 8, 4, 128).to(device=device, dtype=torch.bfloat16)
     optimizer = mixed_precision.MixedPrecisionAdam(model.parameters())
-    batches = [tuple(t.to(device) for t in b) for b in memory.markov_batches(64, 128, 8, 2, seed)]
+    batches = [tuple(t.to(device) for t in b) for b in tiny_gpt.markov_batches(64, 128, 8, 2, seed)]
     model.loss(*batches[0]).backward()  # the warm-up step
     optimizer.step()
     model.zero_grad(set_to_none=True)

@@ -1,6 +1,6 @@
 """Lesson 07: where the memory of a training step goes, and four ways to shrink it.
 
-The technique in three files, in reading order. This one, main.py, measures and models memory:
+The technique in four files, in reading order. This one, main.py, measures and models memory:
 
 1. `MemoryTracker`: a TorchDispatchMode that sees every storage an operator creates, follows it
    with a weak reference until it is freed, and files its bytes under parameter, gradient,
@@ -9,8 +9,8 @@ The technique in three files, in reading order. This one, main.py, measures and 
    or 20 with Megatron's fp32 `main_grad`, about 10 with 8-bit Adam).
 3. Activations: a transformer layer written op for op as Korthikanti et al. count it keeps
    sbh(34 + 5as/h) bytes in 16-bit (plus LayerNorm's statistics); the cost model of a step.
-4. Recomputation: `TinyGPT(recompute=True)` keeps each layer's input and replays its forward.
-
+tiny_gpt.py, 4. recomputation: `TinyGPT(recompute=True)` keeps each layer's input and replays its
+forward (and `markov_batches`, the learnable synthetic data later lessons train it on).
 mixed_precision.py: 16-bit training's fp32 master weights (`MixedPrecisionAdam`) and why fp16
 needs loss scaling (`DynamicLossScaler`, with GradScaler's rules). adam8bit.py: `Adam8bit`,
 block-wise 8-bit optimizer states (one absmax per block).
@@ -37,7 +37,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import checkpoint
 
 # ============================================================================ 1. the tracker
 
@@ -330,57 +329,6 @@ def training_memory(layers: int, hidden: int, heads: int, vocab: int, seq: int, 
     return {"params": n_params, "states_bytes": states, "activation_bytes_per_layer": per_layer,
             "activation_bytes": layers * per_layer, "total_bytes": states + layers * per_layer,
             "logits_bytes": 2 * seq * batch * vocab}
-
-
-# ============================================================================ 4. recomputation
-
-
-class TinyGPT(nn.Module):
-    """Token + position embeddings, `layers` TransformerLayers, final LayerNorm, tied head.
-    `recompute`: True (every layer), False, or the set of layer indices to recompute."""
-
-    def __init__(self, vocab: int, hidden: int, heads: int, layers: int, seq: int,
-                 dropout: float = 0.1, recompute: bool | set[int] = False) -> None:
-        super().__init__()
-        self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
-        self.layers = nn.ModuleList(TransformerLayer(hidden, heads, dropout) for _ in range(layers))
-        self.norm = nn.LayerNorm(hidden)
-        self.recompute = recompute
-        for table in (self.embed, self.pos):  # GPT-2's init: the tied head starts near uniform
-            nn.init.normal_(table.weight, std=0.02)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (b, s) -> logits (b, s, vocab)."""
-        x = (self.embed(tokens) + self.pos.weight[: tokens.shape[1]]).transpose(0, 1)
-        for index, layer in enumerate(self.layers):
-            # recompute: keep only the layer's input; run its forward again during backward
-            again = self.recompute is True or index in (self.recompute or ())
-            x = checkpoint(layer, x, use_reentrant=False) if again else layer(x)
-        return self.norm(x).transpose(0, 1) @ self.embed.weight.T
-
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def markov_batches(vocab: int, seq: int, batch: int, steps: int, seed: int,
-                   sample_seed: int | None = None) -> list[tuple]:
-    """A learnable synthetic language: each token's successor is drawn from one of 2 choices.
-    `seed` picks the language (the successor table); `sample_seed`, when given, draws other
-    sentences of the same language (train / held-out splits)."""
-    generator = torch.Generator().manual_seed(seed)
-    successors = torch.randint(0, vocab, (vocab, 2), generator=generator)
-    if sample_seed is not None:
-        generator = torch.Generator().manual_seed(sample_seed)
-    batches = []
-    for _ in range(steps):
-        tokens = torch.empty(batch, seq + 1, dtype=torch.long)
-        tokens[:, 0] = torch.randint(0, vocab, (batch,), generator=generator)
-        for t in range(seq):
-            pick = torch.randint(0, 2, (batch,), generator=generator)
-            tokens[:, t + 1] = successors[tokens[:, t], pick]
-        batches.append((tokens[:, :-1], tokens[:, 1:]))
-    return batches
 
 
 if __name__ == "__main__":  # the checks, the report and the CLI: checks.py

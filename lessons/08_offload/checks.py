@@ -27,6 +27,7 @@ from . import main as offload
 
 LESSON = "08_offload"
 memory = offload.memory  # lesson 07's technique
+tiny_gpt = offload.tiny_gpt  # lesson 07's TinyGPT, markov_batches
 adam8bit = offload.adam8bit  # lesson 07's 8-bit Adam (quantization off: plain Adam)
 
 
@@ -35,7 +36,7 @@ adam8bit = offload.adam8bit  # lesson 07's 8-bit Adam (quantization off: plain A
 
 def offload_batches(config: dict, steps: int, seed: int) -> list[tuple]:
     """Lesson 07's synthetic language (markov_batches), on the model's device."""
-    batches = memory.markov_batches(config["vocab"], config["seq"], config["batch"], steps, seed)
+    batches = tiny_gpt.markov_batches(config["vocab"], config["seq"], config["batch"], steps, seed)
     return [tuple(t.to(config.get("device", "cpu")) for t in batch) for batch in batches]
 
 
@@ -190,7 +191,7 @@ def named_model_layout(layers: int, hidden: int, heads: int, vocab: int, seq: in
     memory): all chunks persistent, and none (host bytes: 16 per offloaded element); and the
     chunk fetches of one step with everything offloaded."""
     with torch.device("meta"):
-        model = memory.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0)
+        model = tiny_gpt.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0)
     slots, used = offload.pack_chunks(model.layers, chunk_numel)
     fixed = offload.fixed_parameters(model)
     profile = cost_model.Profile(used, offload.chunks_of_block(slots, layers), chunk_numel,

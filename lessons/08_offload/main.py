@@ -37,19 +37,20 @@ if __package__ in (None, ""):  # run as a script: make the `lessons` package imp
 import torch
 import torch.nn as nn
 
-memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT
+memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique
+tiny_gpt = importlib.import_module("lessons.07_memory.tiny_gpt")  # lesson 07's TinyGPT, markov_batches
 adam8bit = importlib.import_module("lessons.07_memory.adam8bit")  # lesson 07's Adam: Adam8bit
 
 
-def make_offload_model(config: dict, seed: int) -> memory.TinyGPT:
+def make_offload_model(config: dict, seed: int) -> tiny_gpt.TinyGPT:
     """Lesson 07's TinyGPT without dropout, from a config dict (vocab, hidden, heads, layers,
     seq, device). Its `layers` get chunked; model.recompute = {indices} recomputes some."""
     torch.manual_seed(seed)
-    return memory.TinyGPT(config["vocab"], config["hidden"], config["heads"], config["layers"],
+    return tiny_gpt.TinyGPT(config["vocab"], config["hidden"], config["heads"], config["layers"],
                           config["seq"], dropout=0.0).to(config.get("device", "cpu"))
 
 
-def fixed_parameters(model: memory.TinyGPT) -> list[nn.Parameter]:
+def fixed_parameters(model: tiny_gpt.TinyGPT) -> list[nn.Parameter]:
     """The parameters outside the blocks (embeddings, tied head, final LayerNorm): always on
     the device, never chunked."""
     return [model.embed.weight, model.pos.weight, model.norm.weight, model.norm.bias]
@@ -184,7 +185,7 @@ class ChunkManager:
     element-wise). `phase(name)` and `observe(name)` are no-ops a profiler may replace (the
     checks put lesson 07's tracker there)."""
 
-    def __init__(self, model: memory.TinyGPT, config: OffloadConfig, chunk_numel: int,
+    def __init__(self, model: tiny_gpt.TinyGPT, config: OffloadConfig, chunk_numel: int,
                  lr: float = 1e-3, device: str = "cpu", n_buffers: int | None = None) -> None:
         self.model, self.config, self.device = model, config, torch.device(device)
         self.slots, self.used = pack_chunks(model.layers, chunk_numel)

@@ -39,7 +39,8 @@ if __package__ in (None, ""):  # run as a script: make the `lessons` package imp
 import torch
 import torch.nn as nn
 
-memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT, data
+memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique
+tiny_gpt = importlib.import_module("lessons.07_memory.tiny_gpt")  # lesson 07's TinyGPT, markov_batches
 EPS = 1e-8
 
 # ============================================================================ 1. the teacher
@@ -58,19 +59,19 @@ class TeacherConfig:
     seed: int = 0
 
 
-def make_teacher(config: TeacherConfig) -> memory.TinyGPT:
+def make_teacher(config: TeacherConfig) -> tiny_gpt.TinyGPT:
     torch.manual_seed(config.seed)
-    return memory.TinyGPT(config.vocab, config.hidden, config.heads, config.layers, config.seq, dropout=0.0)
+    return tiny_gpt.TinyGPT(config.vocab, config.hidden, config.heads, config.layers, config.seq, dropout=0.0)
 
 
 def batches(config: TeacherConfig, steps: int, stream: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Sentences of one synthetic language (lesson 07's, chosen by the seed): stream 0 trains
     the teacher, 1 the students, 2 is held out. A batch depends only on (seed, stream, step)."""
-    return memory.markov_batches(config.vocab, config.seq, config.batch, steps, config.seed,
+    return tiny_gpt.markov_batches(config.vocab, config.seq, config.batch, steps, config.seed,
                                  sample_seed=config.seed * 1000 + stream + 1)
 
 
-def train_teacher(config: TeacherConfig) -> memory.TinyGPT:
+def train_teacher(config: TeacherConfig) -> tiny_gpt.TinyGPT:
     teacher = make_teacher(config)
     optimizer = torch.optim.AdamW(teacher.parameters(), lr=config.lr)
     for tokens, targets in batches(config, config.steps, 0):
@@ -80,13 +81,13 @@ def train_teacher(config: TeacherConfig) -> memory.TinyGPT:
     return teacher.eval()
 
 
-def embed(model: memory.TinyGPT, tokens: torch.Tensor) -> torch.Tensor:
+def embed(model: tiny_gpt.TinyGPT, tokens: torch.Tensor) -> torch.Tensor:
     """tokens (b, s) -> the first block's input (s, b, h), exactly as TinyGPT.forward does."""
     return (model.embed(tokens) + model.pos.weight[: tokens.shape[1]]).transpose(0, 1)
 
 
 @torch.no_grad()
-def teacher_block_io(teacher: memory.TinyGPT, tokens: torch.Tensor,
+def teacher_block_io(teacher: tiny_gpt.TinyGPT, tokens: torch.Tensor,
                      upto: int | None = None) -> list[torch.Tensor]:
     """The residual stream at the block boundaries: [input of block 0, output of block 0, ...,
     output of block `upto`] (default: every block). Block i's input is states[i], its target
@@ -215,7 +216,7 @@ def teacher_block_forwards(layers: int, world: int) -> dict:
 # ============================================================================ 6. stitching
 
 
-def make_student(teacher: memory.TinyGPT, kind: str, teacher_config: TeacherConfig) -> memory.TinyGPT:
+def make_student(teacher: tiny_gpt.TinyGPT, kind: str, teacher_config: TeacherConfig) -> tiny_gpt.TinyGPT:
     """A TinyGPT that shares (copies of) the teacher's embeddings, norm and head, with student
     blocks in place of the teacher's layers."""
     student = make_teacher(teacher_config)

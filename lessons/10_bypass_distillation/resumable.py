@@ -32,7 +32,7 @@ from lessons._checks import fingerprint, tensor_digest  # the course's run names
 
 from . import main as distillation  # this lesson's teacher, students, loss and step
 
-memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT
+tiny_gpt = importlib.import_module("lessons.07_memory.tiny_gpt")  # lesson 07's TinyGPT, markov_batches
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # lesson 06's technique
 
 # ============================================================================ 1. the run
@@ -58,7 +58,7 @@ class RunConfig:
         return fingerprint(self)
 
 
-def initial_block(run: RunConfig, teacher: memory.TinyGPT, index: int) -> nn.Module:
+def initial_block(run: RunConfig, teacher: tiny_gpt.TinyGPT, index: int) -> nn.Module:
     """Student block `index` as every run starts it (blockwise or end to end): its own seed,
     so it does not depend on which rank builds it or in which order."""
     torch.manual_seed(run.teacher.seed * 100 + index)
@@ -109,7 +109,7 @@ def load_block(directory: Path) -> dict | None:
 
 
 # exercise resumable-block (continued)
-def train_block(run: RunConfig, run_dir: Path, index: int, teacher: memory.TinyGPT,
+def train_block(run: RunConfig, run_dir: Path, index: int, teacher: tiny_gpt.TinyGPT,
                 teacher_io: Callable[[int], list[torch.Tensor]] | None = None,
                 after_step: Callable[[int], None] | None = None) -> dict:
     """Train student block `index` of `run` to the end, resuming where its checkpoints say.
@@ -158,7 +158,7 @@ def train_block(run: RunConfig, run_dir: Path, index: int, teacher: memory.TinyG
     return {"block": index, "status": "trained", "resumed_from": start, **summary}
 
 
-def train_rank_blocks(run: RunConfig, run_dir: Path, teacher: memory.TinyGPT, rank: int, world: int,
+def train_rank_blocks(run: RunConfig, run_dir: Path, teacher: tiny_gpt.TinyGPT, rank: int, world: int,
                       io_cache: dict, after_step: Callable[[int], None] | None = None) -> list[dict]:
     """What rank `rank` of `world` does for one run: train its own blocks one after another.
     The teacher states of each step are computed once, up to the rank's last block, and kept in
@@ -184,7 +184,7 @@ def resume_step(killed_after: int, save_every: int) -> int:
 # ============================================================================ 4. stitched, exported
 
 
-def load_student(run: RunConfig, runs_dir: Path, teacher: memory.TinyGPT) -> memory.TinyGPT:
+def load_student(run: RunConfig, runs_dir: Path, teacher: tiny_gpt.TinyGPT) -> tiny_gpt.TinyGPT:
     """The stitched student: the teacher's embeddings and head, each block from its checkpoint."""
     student = distillation.make_student(teacher, run.kind, run.teacher)
     for index, layer in enumerate(student.layers):

@@ -35,7 +35,8 @@ from lessons._report import (
 from . import main as context_parallel
 from . import ulysses
 
-memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT
+memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique
+tiny_gpt = importlib.import_module("lessons.07_memory.tiny_gpt")  # lesson 07's TinyGPT, markov_batches
 
 
 LESSON = "11_context_parallel"
@@ -221,11 +222,11 @@ def cp_gpt_steps(ctx: RankContext, variant: str, layout: str, steps: int = 3, vo
     seq, heads = 8 * cp, (cp if variant == "ulysses" and 4 % cp else 4)
     hidden = 4 * heads
     torch.manual_seed(0)
-    reference = memory.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0)
+    reference = tiny_gpt.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0)
     reference = reference.double().to(ctx.device).eval()
     model = copy.deepcopy(reference)
     where = context_parallel.sequence_positions(seq, cp, rank, layout).to(ctx.device)
-    batches = memory.markov_batches(vocab, seq, 1, steps, seed=3)
+    batches = tiny_gpt.markov_batches(vocab, seq, 1, steps, seed=3)
     attend = ((lambda q, k, v: context_parallel.ring_attention(q, k, v, seq, True, layout))
               if variant == "ring" else
               (lambda q, k, v: ulysses.ulysses_attention(q, k, v, seq, True, layout)))

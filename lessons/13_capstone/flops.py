@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-memory = importlib.import_module("lessons.07_memory.main")  # TinyGPT
+tiny_gpt = importlib.import_module("lessons.07_memory.tiny_gpt")  # lesson 07's TinyGPT, markov_batches
 
 # Dense bf16 tensor-core peaks (FLOP/s) by the EXACT name torch.cuda.get_device_name() gives
 # (NVIDIA's driver README, "Compatible GPUs", open-gpu-kernel-modules 560.31.02): half of the
@@ -35,7 +35,7 @@ def peak_flops_for(device_name: str) -> float | None:
 
 # exercise flops-mfu (2 points): The cost model: FLOPs per token and MFU
 # hint: forward 2N, backward 4N; MFU compares with the peak of all the ranks together.
-def matmul_params(model: memory.TinyGPT) -> int:
+def matmul_params(model: tiny_gpt.TinyGPT) -> int:
     """N for 6N: every parameter of `model` but the position table model.pos (an add, not a
     matmul); the tied token embedding model.embed counts once, for the output head's matmul
     (its lookup is not a matmul). An int."""

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique: TinyGPT
+tiny_gpt = importlib.import_module("lessons.07_memory.tiny_gpt")  # lesson 07's TinyGPT, markov_batches
 data_parallel = importlib.import_module("lessons.02_data_parallel.main")  # BucketedDDP
 zero = importlib.import_module("lessons.03_zero.main")  # shard_bounds
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # Checkpointer, load
@@ -210,7 +210,7 @@ class GPTTrainer:
                  vocab: int) -> None:
         self.config, self.rank, self.world, self.device = config, rank, world, device
         torch.manual_seed(config.seed)  # the same initial weights on every rank
-        self.model = memory.TinyGPT(vocab, config.hidden, config.heads, config.layers, config.seq,
+        self.model = tiny_gpt.TinyGPT(vocab, config.hidden, config.heads, config.layers, config.seq,
                                     dropout=config.dropout).to(device)
         if config.ddp not in ("ours", "torch"):
             raise ValueError(f"unknown data parallelism {config.ddp!r}: 'ours' or 'torch'")

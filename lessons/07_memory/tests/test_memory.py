@@ -19,6 +19,7 @@ from lessons._testing import assert_argument_error, assert_every_check_passes, e
 M = importlib.import_module("lessons.07_memory.main")  # the technique: tracker, formulas, GPT
 MP = importlib.import_module("lessons.07_memory.mixed_precision")  # master weights, loss scaling
 A8 = importlib.import_module("lessons.07_memory.adam8bit")  # 8-bit Adam
+tiny_gpt = importlib.import_module("lessons.07_memory.tiny_gpt")  # TinyGPT, markov_batches
 C = importlib.import_module("lessons.07_memory.checks")  # the harness
 W = importlib.import_module("lessons.07_memory.tests.workers")
 README = Path(M.__file__).with_name("README.md").read_text()
@@ -277,7 +278,7 @@ class TestAdam8bit(unittest.TestCase):
         self.assertEqual(A8.adam8bit_state_bytes(4097, block=256), 2 * (17 * 256 + 4 * 17))
 
     def test_unquantized_is_torch_adam_exactly(self):
-        batches = M.markov_batches(64, 8, 4, 5, 0)
+        batches = tiny_gpt.markov_batches(64, 8, 4, 5, 0)
         ours = C.train_curve("adam32_ours", batches, 32, 2, 1, 8)
         torch_adam = C.train_curve("adam", batches, 32, 2, 1, 8)
         self.assertEqual(ours["losses"], torch_adam["losses"])

@@ -121,7 +121,7 @@ class TestPieces(unittest.TestCase):
 @exercise("accumulation-step")
 class TestDecayGroups(unittest.TestCase):
     def test_2d_tensors_decay_and_1d_ones_do_not(self):
-        model = M.memory.TinyGPT(58, 64, 4, 2, 64)
+        model = M.tiny_gpt.TinyGPT(58, 64, 4, 2, 64)
         decay, no_decay = M.decay_groups(model, 0.01)
         self.assertEqual((decay["weight_decay"], no_decay["weight_decay"]), (0.01, 0.0))
         names = {id(p): name for name, p in model.named_parameters()}
@@ -141,7 +141,7 @@ class TestDecayGroups(unittest.TestCase):
     def test_one_adamw_step_on_zero_gradients_shrinks_only_the_2d_tensors(self):
         # with zero gradients Adam's update is 0: what is left is the decoupled decay,
         # w <- w (1 - lr x weight_decay), on the decayed group only
-        model = M.memory.TinyGPT(16, 16, 2, 1, 8, dropout=0.0)
+        model = M.tiny_gpt.TinyGPT(16, 16, 2, 1, 8, dropout=0.0)
         before = {name: p.detach().clone() for name, p in model.named_parameters()}
         optimizer = torch.optim.AdamW(M.decay_groups(model, 0.5), lr=0.1, foreach=False)
         for param in model.parameters():
@@ -162,9 +162,9 @@ class TestCostModel(unittest.TestCase):
         self.assertEqual(round(gpt2 / 1e6), 857)
 
     def test_matmul_params_leave_out_the_position_table(self):
-        model = M.memory.TinyGPT(58, 64, 4, 2, 64)  # the demo's model: README, "The math"
+        model = M.tiny_gpt.TinyGPT(58, 64, 4, 2, 64)  # the demo's model: README, "The math"
         self.assertEqual(flops.matmul_params(model), 103_808)
-        small = M.memory.TinyGPT(16, 16, 2, 1, 8)
+        small = M.tiny_gpt.TinyGPT(16, 16, 2, 1, 8)
         self.assertEqual(flops.matmul_params(small),
                          sum(p.numel() for p in small.parameters()) - 8 * 16)
 
@@ -197,7 +197,7 @@ class TestAccumulationStep(unittest.TestCase):
 
     def setUp(self):
         torch.manual_seed(0)
-        self.model = M.memory.TinyGPT(16, 16, 2, 1, 8, dropout=0.0).double()
+        self.model = M.tiny_gpt.TinyGPT(16, 16, 2, 1, 8, dropout=0.0).double()
         self.tokens = torch.randint(0, 16, (8, 8))
         self.targets = torch.randint(0, 16, (8, 8))
 
