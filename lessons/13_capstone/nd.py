@@ -171,9 +171,10 @@ class ParallelBlock(tensor_parallel.SequenceParallelBlock):
         def heads_first(t: torch.Tensor) -> torch.Tensor:  # -> (b heads, s / cp, d)
             return t.reshape(s, b, self.heads, d).permute(1, 2, 0, 3).reshape(b * self.heads, s, d)
 
+        wide = torch.promote_types(q.dtype, torch.float32)  # bf16 -> fp32; fp32, fp64 stay
         with torch.autocast(q.device.type, enabled=False):  # under bf16 autocast: the ring's
             out = context_parallel.ring_attention(  # running output and lse stay fp32
-                heads_first(q).float(), heads_first(k).float(), heads_first(v).float(), self.seq,
+                heads_first(q).to(wide), heads_first(k).to(wide), heads_first(v).to(wide), self.seq,
                 True, "zigzag", group=self.cp_group)
         return out.to(q.dtype).reshape(b, self.heads, s, d).permute(2, 0, 1, 3).reshape(s, b, width)
 
