@@ -83,7 +83,7 @@ def tearDownModule():
 
 
 @exercise("compose-step")
-class TestMeshGroups(unittest.TestCase):
+class TestDimensionGroups(unittest.TestCase):
     def test_a_small_grid_by_hand(self):
         layout = nd.Layout(dp=2, tp=2)  # ranks (dp, tp): 0 (0,0), 1 (0,1), 2 (1,0), 3 (1,1)
         self.assertEqual(nd.dimension_groups(layout, "tp"), [[0, 1], [2, 3]])
