@@ -1,4 +1,5 @@
-"""`python -m course run [IDS] [--json PATH]`: run lesson demos, one summary table.
+"""`python -m course run [IDS] [--json PATH] [--isolated]`: run lesson demos, one summary table
+(in this process, torch imported once: course/demos.py; --isolated: a process per demo).
 `python -m course grade [IDS] [--workspace DIR]`: grade by exercise with the lessons' own suites.
 `python -m course exercise NN [--out DIR] [--exercise ID]`: a learner workspace with stubs.
 `python -m course catalog`: validate catalog.json against the schema and the folders.
@@ -45,25 +46,36 @@ def _run(command: list[str], timeout: float, cwd: Path = REPO_ROOT) -> tuple[int
     return code, output, time.monotonic() - started
 
 
-def run_demos(keys: list[str], json_path: Path | None, timeout: float, extra: list[str]) -> int:
+def run_demos(keys: list[str], json_path: Path | None, timeout: float, extra: list[str],
+              isolated: bool = False) -> int:
+    """Every demo, one summary table. In this process (torch imported once, one forkserver for
+    every demo's ranks: course/demos.py) unless `isolated` or the start method is spawn."""
+    from course.demos import InProcessDemos, run_isolated
+
     lessons = select_lessons(load_catalog(), keys)
     console = _console()
+    in_process = None if isolated or not InProcessDemos.usable() else InProcessDemos()
     rows = []
-    for lesson in lessons:
-        with tempfile.TemporaryDirectory() as tmp:
-            report_path = Path(tmp) / "report.json"
-            console.print(f"running {lesson['folder']} ...")
-            code, output, seconds = _run([sys.executable, lesson["paths"]["script"], "--json",
-                                          str(report_path), *extra], timeout)
-            report = json.loads(report_path.read_text()) if report_path.exists() else {}
-        passed = code == 0 and report.get("passed") is True
-        headline = report.get("metrics", {}).get("headline", "")
-        if not passed:
-            tail = [line for line in output.strip().splitlines() if line.strip()][-3:]
-            headline = " | ".join(tail)[-300:]
-        rows.append({"lesson": lesson["id"], "folder": lesson["folder"], "passed": passed,
-                     "exit_code": code, "seconds": round(seconds, 2), "headline": headline,
-                     "checks": len(report.get("checks", []))})
+    try:
+        for lesson in lessons:
+            with tempfile.TemporaryDirectory() as tmp:
+                report_path = Path(tmp) / "report.json"
+                console.print(f"running {lesson['folder']} ...")
+                argv = ["--json", str(report_path), *extra]
+                code, output, seconds = (in_process.run(lesson, argv, timeout) if in_process else
+                                         run_isolated(lesson, argv, timeout, _run))
+                report = json.loads(report_path.read_text()) if report_path.exists() else {}
+            passed = code == 0 and report.get("passed") is True
+            headline = report.get("metrics", {}).get("headline", "")
+            if not passed:
+                tail = [line for line in output.strip().splitlines() if line.strip()][-3:]
+                headline = " | ".join(tail)[-300:]
+            rows.append({"lesson": lesson["id"], "folder": lesson["folder"], "passed": passed,
+                         "exit_code": code, "seconds": round(seconds, 2), "headline": headline,
+                         "checks": len(report.get("checks", [])), "metrics": report.get("metrics", {})})
+    finally:
+        if in_process:
+            in_process.close()
     table = Table(title="lesson demos", title_justify="left")
     for column in ("lesson", "result", "checks", "seconds", "headline"):
         table.add_column(column, overflow="fold")
@@ -74,9 +86,12 @@ def run_demos(keys: list[str], json_path: Path | None, timeout: float, extra: li
     console.print(table)
     failed = [row["folder"] for row in rows if not row["passed"]]
     total = sum(row["seconds"] for row in rows)
-    console.print(f"{len(rows) - len(failed)} of {len(rows)} lesson demos passed in {total:.1f} s")
+    mode = "in one process" if in_process else "one process each"
+    console.print(f"{len(rows) - len(failed)} of {len(rows)} lesson demos passed in {total:.1f} s "
+                  f"({mode})")
     if json_path:
-        json_path.write_text(json.dumps({"passed": not failed, "lessons": rows}, indent=2) + "\n")
+        json_path.write_text(json.dumps({"passed": not failed, "in_one_process": bool(in_process),
+                                         "lessons": rows}, indent=2) + "\n")
     return 1 if failed else 0
 
 
@@ -314,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("--quick", action="store_true", help="pass --quick to every demo")
     run_parser.add_argument("--demo-args", default="", metavar="ARGS",
                             help="more arguments for every demo, e.g. --demo-args='--seed 3'")
+    run_parser.add_argument("--isolated", action="store_true",
+                            help="each demo in a fresh `python main.py` process (default: all in "
+                                 "this one, torch imported once)")
     grade_parser = sub.add_parser("grade", help="grade lessons by exercise with their own tests")
     grade_parser.add_argument("ids", nargs="*", help="lesson ids; default all")
     grade_parser.add_argument("--workspace", type=Path, metavar="DIR",
@@ -344,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "run":
             extra = (["--quick"] if args.quick else []) + shlex.split(args.demo_args)
-            return run_demos(args.ids, args.json, args.timeout, extra)
+            return run_demos(args.ids, args.json, args.timeout, extra, args.isolated)
         if args.command == "grade":
             if args.workspace is not None and not (args.workspace / "lessons").is_dir():
                 parser.error(f"--workspace {args.workspace}: no lessons/ folder there "

@@ -6,10 +6,12 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 from pathlib import Path
 
 from tests._course import REPO_ROOT, lessons
+from tests.test_launch import descendants
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -61,6 +63,53 @@ class TestCourseCommands(unittest.TestCase):
         self.assertIn("FAIL", proc.stdout)
         self.assertIn("rank 1 failed", proc.stdout)
         self.assertIn("0 of 1 lesson demos passed", proc.stdout)
+
+    def test_in_one_process_and_isolated_give_the_same_reports(self):
+        # course/demos.py: the same checks and metrics whether the demos share this process (and
+        # its forkserver) or each gets a fresh one; only timings differ
+        with tempfile.TemporaryDirectory() as tmp:
+            reports = {}
+            for mode in ("--json", "--isolated"):
+                path = Path(tmp) / f"{mode}.json"
+                extra = ["--isolated"] if mode == "--isolated" else []
+                proc = run("-m", "course", "run", "04", "12", "--json", str(path), *extra)
+                self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+                reports[mode] = json.loads(path.read_text())
+        self.assertTrue(reports["--json"]["in_one_process"])
+        self.assertFalse(reports["--isolated"]["in_one_process"])
+        for shared, alone in zip(reports["--json"]["lessons"], reports["--isolated"]["lessons"]):
+            self.assertEqual(shared["checks"], alone["checks"])
+            self.assertGreater(shared["checks"], 10)
+            untimed = [{k: v for k, v in row["metrics"].items() if "seconds" not in k}
+                       for row in (shared, alone)]
+            self.assertEqual(untimed[0], untimed[1], shared["folder"])
+            self.assertGreater(len(untimed[0]), 3, shared["folder"])
+
+    @unittest.skipUnless(sys.platform.startswith("linux"), "uses /proc")
+    def test_a_hung_demo_is_stopped_at_its_timeout_and_leaves_no_process(self):
+        # in one process, a demo past --timeout is interrupted; its launch kills its ranks, the
+        # table says so, and the runner's forkserver ends with it
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "course", "run", "01", "--timeout", "6", "--demo-args",
+             "--world-size 2 --numel 8 --fault hang --timeout 120"],
+            cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen: set[int] = set()
+        started = time.monotonic()
+        while proc.poll() is None and time.monotonic() - started < 90:
+            seen.update(descendants(proc.pid))
+            time.sleep(0.1)
+        output = proc.communicate(timeout=30)[0]
+        self.assertEqual(proc.returncode, 1, output)
+        self.assertIn("FAIL (exit 124)", output)
+        self.assertIn("stopped after 6 s", output)
+        self.assertLess(time.monotonic() - started, 60)
+        self.assertGreaterEqual(len(seen), 3, "the forkserver and two ranks were never seen")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(Path(f"/proc/{pid}").exists() for pid in seen):
+            time.sleep(0.1)
+        left = [pid for pid in seen if Path(f"/proc/{pid}").exists()
+                and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]]
+        self.assertEqual(left, [])
 
     def test_course_grade_one_lesson(self):
         proc = run("-m", "course", "grade", "08", timeout=600)  # the quickest suite

@@ -178,8 +178,8 @@ def expert_owner(expert: int, num_experts: int, ep: int) -> int:
     return expert // (num_experts // ep)
 
 
-def all_to_all_rows(send: torch.Tensor, send_counts: list[int], recv_counts: list[int], engine: str,
-                    traffic: collectives.Traffic, group=None) -> torch.Tensor:
+def uneven_all_to_all_rows(send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                           engine: str, traffic: collectives.Traffic, group=None) -> torch.Tensor:
     """Rows [o_j, o_j + send_counts[j]) to rank j of `group`, received rows stacked by source
     rank: lesson 01's `all_to_all` from point-to-point ("p2p": the default group, bytes counted)
     or torch's `dist.all_to_all_single` ("torch": any group, not counted)."""
@@ -193,19 +193,20 @@ def all_to_all_rows(send: torch.Tensor, send_counts: list[int], recv_counts: lis
 
 
 class AllToAll(torch.autograd.Function):
-    """`all_to_all_rows` forward; backward the reverse all-to-all of the gradient (the splits
-    swapped): the adjoint of a permutation of rows across ranks is its inverse."""
+    """`uneven_all_to_all_rows` forward; backward the reverse all-to-all of the gradient (the
+    splits swapped): the adjoint of a permutation of rows across ranks is its inverse."""
 
     @staticmethod
     def forward(ctx, x, send_counts, recv_counts, engine, traffic, group):
         ctx.args = (send_counts, recv_counts, engine, traffic, group)
-        return all_to_all_rows(x, send_counts, recv_counts, engine, traffic, group)
+        return uneven_all_to_all_rows(x, send_counts, recv_counts, engine, traffic, group)
 
     @staticmethod
     def backward(ctx, grad):
         send_counts, recv_counts, engine, traffic, group = ctx.args
-        return all_to_all_rows(grad.contiguous(), recv_counts, send_counts, engine, traffic, group), \
-            None, None, None, None, None
+        grad_in = uneven_all_to_all_rows(grad.contiguous(), recv_counts, send_counts, engine, traffic,
+                                         group)
+        return grad_in, None, None, None, None, None
 
 
 @dataclasses.dataclass
@@ -252,8 +253,8 @@ def ep_moe_layer(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tenso
     order = torch.argsort(expert, stable=True)
     token, expert, gate = token[order], expert[order], routing.gates[keep][order]
     per_expert = torch.bincount(expert, minlength=num_experts)
-    recv_per_expert = all_to_all_rows(per_expert, [local] * ep, [local] * ep, engine, stats.traffic,
-                                      group).reshape(ep, local)
+    recv_per_expert = uneven_all_to_all_rows(per_expert, [local] * ep, [local] * ep, engine,
+                                             stats.traffic, group).reshape(ep, local)
     send_counts = per_expert.reshape(ep, local).sum(dim=1).tolist()
     recv_counts = recv_per_expert.sum(dim=1).tolist()
     received = AllToAll.apply(x[token], send_counts, recv_counts, engine, stats.traffic, group)

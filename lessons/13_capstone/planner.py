@@ -318,7 +318,7 @@ def pipeline_sends(stages: int, microbatches: int, stage: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Traffic:
+class LinkTraffic:
     """Bytes one rank sends per step over one dimension, its link and the time at its bandwidth."""
 
     bytes: float
@@ -327,7 +327,7 @@ class Traffic:
 
 
 def communication(model: Model, cluster: Cluster, layout: nd.Layout, run: Run,
-                  stage: int) -> dict[str, Traffic]:
+                  stage: int) -> dict[str, LinkTraffic]:
     """Bytes one rank of `stage` sends per optimizer step, by dimension (m micro-batches, each
     through L / pp blocks; b sequences per micro-batch; e, g, w bytes per activation, gradient
     and weight element; Psi this rank's parameters):
@@ -362,7 +362,7 @@ def communication(model: Model, cluster: Cluster, layout: nd.Layout, run: Run,
     for dim, nbytes in sent.items():
         link = link_of(cluster, layout, dim)
         bandwidth = cluster.intra_bandwidth if link == "nvlink" else cluster.inter_bandwidth
-        out[dim] = Traffic(nbytes, link, nbytes / bandwidth)
+        out[dim] = LinkTraffic(nbytes, link, nbytes / bandwidth)
     return out
 
 
@@ -386,7 +386,7 @@ class Candidate:
     microbatches: int
     memory: Memory
     fits: bool
-    traffic: dict[str, Traffic]
+    traffic: dict[str, LinkTraffic]
     compute_s: float
     bubble: float
 
