@@ -105,8 +105,14 @@ def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 6
     return parser
 
 
-def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Cross-argument validation shared by lessons: exits 2 with one line on a bad combination."""
+def world_size_of(args: argparse.Namespace) -> int:
+    """The run's world size: torchrun's WORLD_SIZE under torchrun, else --world-size."""
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """Cross-argument validation shared by lessons: exits 2 with one line on a bad combination.
+    Returns the run's world size (`world_size_of`)."""
     limit = getattr(args, "_max_world_size", None)
     if under_torchrun() and limit is not None and int(os.environ["WORLD_SIZE"]) > limit:
         parser.error(f"this lesson runs at most {limit} process(es): under torchrun use "
@@ -118,6 +124,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         choose_device(args.device, args.world_size)
     except ValueError as exc:
         parser.error(str(exc))
+    return world_size_of(args)
 
 
 def launch_checks(worker: Callable, args: argparse.Namespace,

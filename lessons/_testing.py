@@ -29,6 +29,16 @@ def assert_every_check_passes(case: unittest.TestCase, results_by_world: dict[in
                 case.assertTrue(check.passed, check.detail)
 
 
+def rank_configurations(results_by_world: dict[int, list[dict]], prefix: str, dim: str):
+    """(where, world, rank, key, value, per_rank) for every world size, rank and configuration
+    key of a worker's result that starts with `prefix`; `where` names it ("cp=2 rank 1 ring/x")."""
+    for world, per_rank in results_by_world.items():
+        for rank, result in enumerate(per_rank):
+            for key, value in result.items():
+                if key.startswith(prefix):
+                    yield f"{dim}={world} rank {rank} {key}", world, rank, key, value, per_rank
+
+
 def assert_argument_error(case: unittest.TestCase, parse_args: Callable, argv: list[str],
                           fragment: str) -> str:
     """`parse_args(argv)` exits 2 with exactly one 'error:' line containing `fragment`."""

@@ -8,7 +8,6 @@ logging data), the error an unused parameter gives, and the CLI.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, choose_device, inject_fault, under_torchrun
+from lessons._launch import RankContext, choose_device, inject_fault
 from lessons._report import (
     Check,
     Report,
@@ -281,8 +280,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--plot", type=Path, default=Path("ddp_timeline.png"),
                         help="where --bench writes the timeline PNG")
     args = parser.parse_args(argv)
-    check_args(parser, args)
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    world = check_args(parser, args)
     if args.batch % world:
         parser.error(f"--batch {args.batch} is not divisible by the world size {world}")
     return args

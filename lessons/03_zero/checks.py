@@ -13,7 +13,6 @@ stale parameter or a per-shard clipping factor is off by more than 1e-4.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
@@ -25,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, inject_fault, is_reporting_rank, under_torchrun
+from lessons._launch import RankContext, inject_fault, is_reporting_rank
 from lessons._report import (
     Check,
     Report,
@@ -387,8 +386,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--k", type=float_in(0.0, 1000.0), default=12.0,
                         help="--memory: optimizer bytes per parameter K (default 12)")
     args = parser.parse_args(argv)
-    check_args(parser, args)
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    world = check_args(parser, args)
     if not args.memory and args.batch % world:
         parser.error(f"--batch {args.batch} is not divisible by the world size {world}")
     if args.quick:

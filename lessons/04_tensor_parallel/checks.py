@@ -9,7 +9,6 @@ saves for backward (saved-tensor hooks), each against its formula in main.py. Th
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
@@ -18,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, inject_fault, under_torchrun
+from lessons._launch import RankContext, inject_fault
 from lessons._report import (
     Check,
     Report,
@@ -243,8 +242,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--hidden", type=int_in(1, 8192), default=16, help="hidden size (default 16)")
     parser.add_argument("--heads", type=int_in(1, 256), default=4, help="attention heads (default 4)")
     args = parser.parse_args(argv)
-    check_args(parser, args)
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    world = check_args(parser, args)
     if args.heads % world:
         parser.error(f"--heads {args.heads} is not divisible by the world size {world}")
     if args.hidden % args.heads:

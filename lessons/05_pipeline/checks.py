@@ -5,7 +5,6 @@ torch.distributed.pipelining; the Gantt charts (--plots) and the CLI.
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, inject_fault, launch, under_torchrun
+from lessons._launch import RankContext, inject_fault, launch
 from lessons._report import (
     Check,
     Report,
@@ -271,8 +270,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--plots", type=Path, default=None,
                         help="directory for one Gantt chart PNG per schedule")
     args = parser.parse_args(argv)
-    check_args(parser, args)
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    world = check_args(parser, args)
     if not args.simulate and LAYERS % world:
         parser.error(f"the world size {world} must divide the model's {LAYERS} layers")
     if args.stages is None:

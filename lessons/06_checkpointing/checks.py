@@ -29,7 +29,16 @@ import torch.nn.functional as F
 
 from lessons._checks import max_abs_diff
 from lessons._launch import RankContext, choose_device, inject_fault, launch, one_thread, under_torchrun
-from lessons._report import Check, Report, check_args, finish, float_in, int_in, lesson_parser
+from lessons._report import (
+    Check,
+    Report,
+    check_args,
+    finish,
+    float_in,
+    int_in,
+    lesson_parser,
+    world_size_of,
+)
 
 from . import atomic_file, exact_resume
 from . import main as checkpointing
@@ -587,10 +596,6 @@ def run_worker(ctx: RankContext, config: dict, ckpt_dir: str, save_every: int, k
 
 
 # ============================================================================ the command line
-
-
-def world_size_of(args) -> int:
-    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
 
 
 def parse_args(argv: list[str] | None = None):

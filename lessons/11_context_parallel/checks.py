@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
-import os
 import time
 
 import torch
@@ -21,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, inject_fault, under_torchrun
+from lessons._launch import RankContext, inject_fault
 from lessons._report import (
     Check,
     Report,
@@ -316,8 +315,7 @@ def parse_args(argv: list[str] | None = None):
                         help="how the sequence is split (default zigzag)")
     parser.add_argument("--variant", choices=VARIANTS, default="ring", help="default ring")
     args = parser.parse_args(argv)
-    check_args(parser, args)
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    world = check_args(parser, args)
     if args.quick:  # the smallest sequence both layouts can cut: 2 positions per chunk
         args.seq = 4 * world
     if args.seq % (2 * world):

@@ -12,14 +12,13 @@ Then the CLI.
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, inject_fault, under_torchrun
+from lessons._launch import RankContext, inject_fault
 from lessons._report import (
     Check,
     Report,
@@ -286,8 +285,7 @@ def parse_args(argv: list[str] | None = None):
     parser.add_argument("--hidden", type=int_in(1, 4096), default=16, help="model width (default 16)")
     parser.add_argument("--ffn", type=int_in(1, 16384), default=32, help="expert MLP width (default 32)")
     args = parser.parse_args(argv)
-    check_args(parser, args)
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    world = check_args(parser, args)
     if args.quick:
         args.tokens, args.hidden, args.ffn = 8, 8, 16
     try:

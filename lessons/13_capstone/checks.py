@@ -27,7 +27,16 @@ import torch
 
 from lessons._checks import tensor_digest
 from lessons._launch import RankContext, inject_fault, is_reporting_rank, launch, under_torchrun
-from lessons._report import Check, Report, check_args, finish, float_in, int_in, lesson_parser
+from lessons._report import (
+    Check,
+    Report,
+    check_args,
+    finish,
+    float_in,
+    int_in,
+    lesson_parser,
+    world_size_of,
+)
 
 from . import flops, nd, nd_checks, planner_checks
 from . import main as capstone
@@ -222,7 +231,7 @@ def parse_args(argv: list[str] | None = None):
     if args.hidden % args.heads:
         parser.error(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
     args.layout = layout_from(parser, args)
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.world_size
+    world = world_size_of(args)
     if args.layout is not None:  # the batch splits over the data-parallel replicas only
         world = args.layout.dp
     try:

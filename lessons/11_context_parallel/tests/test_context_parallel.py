@@ -17,6 +17,7 @@ from lessons._launch import launch
 from lessons._testing import (
     assert_argument_error,
     exercise,
+    rank_configurations,
     run_under_torchrun,
 )
 
@@ -54,12 +55,9 @@ def expected_tiles(cp: int, rank: int, layout: str, causal: bool) -> int:
 
 class RankCase(unittest.TestCase):
     def configs(self, prefix: str):
-        """(where, result) for every rank, world and configuration whose key starts with prefix."""
-        for world, per_rank in rank_results().items():
-            for rank, result in enumerate(per_rank):
-                for key, value in result.items():
-                    if key.startswith(prefix):
-                        yield f"cp={world} rank {rank} {key}", world, rank, key, value
+        """(where, world, rank, key, value) for every configuration starting with prefix."""
+        for where, world, rank, key, value, _ in rank_configurations(rank_results(), prefix, "cp"):
+            yield where, world, rank, key, value
 
     def assert_exact(self, prefix: str):
         for where, _, _, _, value in self.configs(prefix):

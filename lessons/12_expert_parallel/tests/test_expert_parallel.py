@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from lessons._launch import launch
-from lessons._testing import assert_argument_error, exercise, run_under_torchrun
+from lessons._testing import assert_argument_error, exercise, rank_configurations, run_under_torchrun
 
 M = importlib.import_module("lessons.12_expert_parallel.main")
 C = importlib.import_module("lessons.12_expert_parallel.checks")
@@ -40,11 +40,7 @@ def readme_text() -> str:
 class RankCase(unittest.TestCase):
     def configs(self, prefix: str):
         """(where, world, rank, key, value, per_rank) for every configuration starting with prefix."""
-        for world, per_rank in rank_results().items():
-            for rank, result in enumerate(per_rank):
-                for key, value in result.items():
-                    if key.startswith(prefix):
-                        yield f"ep={world} rank {rank} {key}", world, rank, key, value, per_rank
+        return rank_configurations(rank_results(), prefix, "ep")
 
 
 # ============================================================================ router
