@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import unittest
 
+from course import lines
 from tests._course import REPO_ROOT, lesson_modules, lessons, lookup
 
 SECTIONS = ["The problem", "The idea", "The math", "Build it", "Verify it", "Run it",
@@ -26,6 +27,27 @@ def resolve(modules: list, dotted: str) -> bool:
     """True when `dotted` resolves to a callable in one of the lesson's modules (their own
     names, and the modules they import, such as dist.all_reduce)."""
     return callable(lookup(modules, dotted))
+
+
+class TestMainIsTheTechnique(unittest.TestCase):
+    """COURSE.md: a lesson's main.py is at most about 350 lines, at least two thirds technique
+    (course/lines.py counts: the story docstring and the definitions that live in the lesson's
+    technique files, with their exercise markers)."""
+
+    def test_every_main_py_reads_in_one_sitting(self):
+        for row in lines.measure(None):
+            with self.subTest(lesson=row["lesson"]):
+                self.assertLessEqual(row["lines"], 360)
+                self.assertGreaterEqual(row["technique"] / row["lines"], 2 / 3)
+
+    def test_the_count_follows_the_rule(self):
+        source = ('"""The story."""\n\nimport torch\n\n\n# exercise ring (3 points)\n'
+                  'def ring(x):\n    return x\n\n\ndef check_ring():\n    assert ring(1) == 1\n\n\n'
+                  'LIMIT = 3\n\nif __name__ == "__main__":\n    check_ring()\n')
+        # docstring 1 + marker and ring 3 + LIMIT 1; not the import, blanks, check_ring, __main__
+        self.assertEqual(lines.technique_lines(source, {"ring", "LIMIT"}), 5)
+        self.assertEqual(lines.technique_lines(source, set()), 1)
+        self.assertEqual(lines.top_level_names(source), {"ring", "check_ring", "LIMIT"})
 
 
 class TestDocsEqualCode(unittest.TestCase):
