@@ -261,8 +261,11 @@ def layout_from(parser, args) -> nd.Layout | None:
         parser.error(f"--heads {args.heads} is not divisible by --tp {layout.tp}")
     if args.layers % layout.pp:
         parser.error(f"--layers {args.layers} is not divisible by --pp {layout.pp}")
-    if args.seq % (2 * layout.cp * layout.tp):
-        parser.error(f"--seq {args.seq} is not divisible by 2 x cp x tp = {2 * layout.cp * layout.tp}")
+    if args.seq % (2 * layout.cp):  # lesson 11's zig-zag: 2 cp chunks
+        parser.error(f"--seq {args.seq} is not divisible by 2 x cp = {2 * layout.cp}")
+    if (args.seq // layout.cp) % layout.tp:  # sequence parallel splits a cp rank's positions
+        parser.error(f"--seq {args.seq} / cp = {args.seq // layout.cp} positions do not split over "
+                     f"tp = {layout.tp}")
     if args.ddp != "ours":
         parser.error(f"--ddp {args.ddp} picks the data-parallel run's engine; the N-D run is nd.py's")
     args.world_size, args.dropout = layout.world, 0.0  # the layout sets the ranks; no dropout in N-D

@@ -211,6 +211,16 @@ def stage_parameters(model: Model, layout: nd.Layout, stage: int) -> tuple[int, 
     return params, tensors
 
 
+def zero1_state_bytes(params: float, dp: int, param_bytes: float, grad_bytes: float,
+                      optimizer_bytes: float) -> float:
+    """One rank's weights, gradients and optimizer states under ZeRO-1 over dp, lesson 03's
+    `zero_bytes_per_device("zero1", ...)`: (param_bytes + grad_bytes) Psi whole, plus
+    optimizer_bytes Psi / dp (7.53e9 parameters on dp 64: 31.5 GB with 2 + 2 + 12 bytes, 61.2 GB
+    with nd.py's fp32 4 + 4 + 8)."""
+    return zero.zero_bytes_per_device("zero1", params, dp, k=optimizer_bytes,
+                                      param_bytes=param_bytes, grad_bytes=grad_bytes)
+
+
 def model_state_bytes(model: Model, layout: nd.Layout, run: Run, stage: int) -> float:
     """Weights, gradients and optimizer states of one rank of `stage`: lesson 03's
     `zero_bytes_per_device("zero1", Psi, dp)` on this rank's Psi = stage_parameters (what
@@ -218,8 +228,7 @@ def model_state_bytes(model: Model, layout: nd.Layout, run: Run, stage: int) -> 
     plus AdamW's float32 step counter per tensor. Exact when dp divides every tensor; else
     rank 0's shards hold up to one element more per tensor (lesson 03's shard_bounds)."""
     psi, tensors = stage_parameters(model, layout, stage)
-    return zero.zero_bytes_per_device("zero1", psi, layout.dp, k=run.optimizer_bytes,
-                                      param_bytes=run.param_bytes, grad_bytes=run.grad_bytes) + \
+    return zero1_state_bytes(psi, layout.dp, run.param_bytes, run.grad_bytes, run.optimizer_bytes) + \
         STEP_COUNTER_BYTES * tensors
 
 

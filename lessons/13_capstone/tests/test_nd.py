@@ -273,6 +273,8 @@ class TestCorpusRuns(unittest.TestCase):
         assert_argument_error(self, C.parse_args, [*ND_ARGS, "--tp", "4"], "--heads 2 is not divisible")
         assert_argument_error(self, C.parse_args, [*ND_ARGS, "--pp", "3"], "--layers 2 is not divisible")
         assert_argument_error(self, C.parse_args, [*ND_ARGS, "--cp", "3"], "--seq 32 is not divisible")
+        assert_argument_error(self, C.parse_args, [*ND_ARGS, "--heads", "4", "--tp", "4", "--seq", "6"],
+                              "--seq 6 / cp = 6 positions do not split over tp = 4")
         assert_argument_error(self, C.parse_args, [*ND_ARGS, "--dp", "3"], "--global-batch 8")
         assert_argument_error(self, C.parse_args, [*ND_ARGS, "--tp", "2", "--ddp", "torch"], "--ddp torch")
 

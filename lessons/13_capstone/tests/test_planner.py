@@ -286,6 +286,22 @@ class TestRanking(unittest.TestCase):
         tighter = P.plan(self.model, H100, P.Run(512, headroom=0.15))
         self.assertEqual(P.layout_name(tighter[0].layout), "dp32xtp2")
 
+    def test_the_worked_examples_simplifications(self):
+        """The README's 'simplified' notes: N without the two tables, attention's share, and
+        nd.py's own fp32-weights recipe, under which dp64's states alone pass 61 GB."""
+        m, tokens = self.model, 512 * 8192
+        n = m.parameters()
+        self.assertAlmostEqual(n / 1e9, 7.53, places=2)
+        matmul = n - m.vocab * m.hidden - m.seq * m.hidden
+        self.assertAlmostEqual(matmul / 1e9, 6.97, places=2)
+        self.assertAlmostEqual(6 * n * tokens / (64 * 989e12 * 0.4), 7.48, places=2)
+        self.assertAlmostEqual(6 * matmul * tokens / (64 * 989e12 * 0.4), 6.93, places=2)
+        attention = 12 * m.layers * m.heads * (m.hidden // m.heads) * m.seq  # PaLM's 12 L H Q T
+        self.assertEqual(round(100 * attention / (6 * n)), 29)
+        fp32_states = (4 + 4) * n + 8 * n / 64  # whole fp32 weights and grads, AdamW's 8 B sharded
+        self.assertEqual(int(fp32_states / 1e9), 61)
+        self.assertGreater(fp32_states, 0.9 * H100.memory_bytes * 0.8)  # with activations: no fit
+
     def test_a_slow_network_favours_layouts_that_keep_traffic_in_the_node(self):
         slow = dataclasses.replace(H100, inter_bandwidth=1e8)
         ranked = P.plan(self.model, slow, self.batch)
