@@ -230,7 +230,7 @@ def metrics_of(path: Path) -> dict:
 class TestCorpusRuns(unittest.TestCase):
     """The capstone's CLI with --dp --tp --pp --cp on the shipped corpus: the demo's checks
     (including a bitwise resume from the middle checkpoint), a resume in another layout, a
-    pipeline under torchrun on two nodes, bad layouts. (The real SIGKILL is test_capstone's:
+    pipeline under torchrun on two nodes. (The real SIGKILL is test_capstone's:
     the N-D run goes through the same worker and resume.)"""
 
     @classmethod
@@ -268,6 +268,10 @@ class TestCorpusRuns(unittest.TestCase):
                                     nproc_per_node=1, nnodes=2)
         self.assertTrue(report["passed"], report["checks"])
         self.assertEqual(report["metrics"]["layout"], {"dp": 1, "tp": 1, "pp": 2, "cp": 1})
+
+
+class TestLayoutFlags(unittest.TestCase):
+    """The N-D flags' refusals: argument parsing only, no ranks."""
 
     def test_bad_layouts_exit_2_with_one_line(self):
         assert_argument_error(self, C.parse_args, [*ND_ARGS, "--tp", "4"], "--heads 2 is not divisible")
