@@ -50,7 +50,7 @@ def run_demos(keys: list[str], json_path: Path | None, timeout: float, extra: li
               isolated: bool = False) -> int:
     """Every demo, one summary table. In this process (torch imported once, one forkserver for
     every demo's ranks: course/demos.py) unless `isolated` or the start method is spawn."""
-    from course.demos import InProcessDemos, run_isolated
+    from course.demos import InProcessDemos
 
     lessons = select_lessons(load_catalog(), keys)
     console = _console()
@@ -63,7 +63,8 @@ def run_demos(keys: list[str], json_path: Path | None, timeout: float, extra: li
                 console.print(f"running {lesson['folder']} ...")
                 argv = ["--json", str(report_path), *extra]
                 code, output, seconds = (in_process.run(lesson, argv, timeout) if in_process else
-                                         run_isolated(lesson, argv, timeout, _run))
+                                         _run([sys.executable, lesson["paths"]["script"], *argv],
+                                              timeout))
                 report = json.loads(report_path.read_text()) if report_path.exists() else {}
             passed = code == 0 and report.get("passed") is True
             headline = report.get("metrics", {}).get("headline", "")

@@ -11,7 +11,7 @@ through `sys.stdout` and `sys.stderr`, the ranks' through the file the forkserve
 with as its standard output and error. A demo past its timeout is interrupted in the main thread
 (its launch then kills its ranks) and reported with exit code 124.
 
-`isolated=True` (`course run --isolated`) runs each demo in a fresh `python main.py` process
+`course run --isolated` runs each demo in a fresh `python main.py` process
 instead: nothing shared, slower. Both give the same checks and metrics (the course's test
 compares one lesson's reports).
 """
@@ -46,9 +46,9 @@ class InProcessDemos:
     file descriptors); `usable()` says whether it is the start method here."""
 
     def __init__(self):
-        from lessons._prewarm import prewarm, start_method
+        from lessons._prewarm import prewarm
 
-        if start_method() != "forkserver":
+        if not self.usable():
             raise RuntimeError("in-process demos need the forkserver start method")
         handle, name = tempfile.mkstemp(prefix="course-run-ranks-", suffix=".log")
         os.close(handle)
@@ -78,7 +78,7 @@ class InProcessDemos:
 
     def run(self, lesson: dict, argv: list[str], timeout: float) -> tuple[int, str, float]:
         """One demo: (exit code, its output, seconds), as `python main.py *argv` would give."""
-        from lessons._launch import WorkerError
+        from lessons._report import run_body
 
         started = time.monotonic()
         offset = self.ranks_log.stat().st_size
@@ -98,12 +98,9 @@ class InProcessDemos:
             with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
                 timer.start()
                 try:
-                    code = importlib.import_module(harness_module(lesson)).main(argv)
+                    code = run_body(lambda: importlib.import_module(harness_module(lesson)).main(argv))
                 except SystemExit as exc:  # argparse: one line, exit 2
                     code = exc.code if isinstance(exc.code, int) else 1
-                except WorkerError as exc:
-                    print(f"error: {exc}", file=sys.stderr)
-                    code = 1
                 except KeyboardInterrupt:
                     if not timed_out.is_set():
                         raise  # the learner's Ctrl-C ends the whole run
@@ -125,7 +122,3 @@ class InProcessDemos:
     def close(self) -> None:
         self.ranks_log.unlink(missing_ok=True)
 
-
-def run_isolated(lesson: dict, argv: list[str], timeout: float, run_command) -> tuple[int, str, float]:
-    """One demo in a fresh process: `python lessons/NN_slug/main.py *argv`."""
-    return run_command([sys.executable, str(REPO_ROOT / lesson["paths"]["script"]), *argv], timeout)

@@ -31,15 +31,18 @@ def technique_files(folder: Path) -> list[Path]:
                   if p.name not in HARNESS and not p.name.endswith("_checks.py"))
 
 
+def defined_names(node: ast.stmt) -> set[str]:
+    """What a top-level statement defines: a function's or class's name, an assignment's names."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return {t.id for t in targets if isinstance(t, ast.Name)}
+    return set()
+
+
 def top_level_names(source: str) -> set[str]:
-    names = set()
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(t.id for t in targets if isinstance(t, ast.Name))
-    return names
+    return set().union(*(defined_names(node) for node in ast.parse(source).body))
 
 
 def technique_lines(source: str, names: set[str]) -> int:
@@ -52,14 +55,7 @@ def technique_lines(source: str, names: set[str]) -> int:
                 and isinstance(node.value.value, str):
             counted.update(range(node.lineno, node.end_lineno + 1))
             continue
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            defined = {node.name}
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            defined = {t.id for t in targets if isinstance(t, ast.Name)}
-        else:
-            continue
-        if not defined & names:
+        if not defined_names(node) & names:
             continue
         first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
         while first > 1 and lines[first - 2].lstrip().startswith("#") \
@@ -77,6 +73,9 @@ def at_revision(rev: str, path: str) -> str | None:
 
 def measure(before: str | None) -> list[dict]:
     rows = []
+    listing = [] if not before else subprocess.run(  # the lesson folders at `before`
+        ["git", "ls-tree", "--name-only", f"{before}:lessons"], cwd=REPO_ROOT, capture_output=True,
+        text=True).stdout.split()
     for lesson in load_catalog()["lessons"]:
         folder = REPO_ROOT / lesson["folder"]
         names = set().union(*(top_level_names(p.read_text()) for p in technique_files(folder)))
@@ -84,10 +83,8 @@ def measure(before: str | None) -> list[dict]:
         row = {"lesson": lesson["folder"].split("/")[-1], "lines": len(source.splitlines()),
                "technique": technique_lines(source, names)}
         if before:  # the same slug may have had another number then (11_capstone -> 13_capstone)
-            slug = lesson["slug"]
-            listing = subprocess.run(["git", "ls-tree", "--name-only", f"{before}:lessons"],
-                                     cwd=REPO_ROOT, capture_output=True, text=True).stdout.split()
-            old_folder = next((name for name in listing if name.split("_", 1)[-1] == slug), None)
+            old_folder = next((name for name in listing if name.split("_", 1)[-1] == lesson["slug"]),
+                              None)
             old = at_revision(before, f"lessons/{old_folder}/main.py") if old_folder else None
             if old is not None:
                 row.update(before_lines=len(old.splitlines()),

@@ -216,13 +216,19 @@ def run_harness(main_file: str, harness: str = "checks") -> None:
     run_main(module.main)
 
 
-def run_main(body: Callable[[], int]) -> None:
-    """Run a lesson's main body; a failed rank becomes one clear line and exit code 1."""
+def run_body(body: Callable[[], int]) -> int:
+    """A lesson's main body's exit code; a failed rank becomes one clear line and exit code 1."""
     try:
-        code = body()
+        return body()
     except WorkerError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        code = 1
+        return 1
+
+
+def run_main(body: Callable[[], int]) -> None:
+    """Run a lesson's main body as a script (`run_body`), then exit with its code."""
+    try:
+        code = run_body(body)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         code = 130

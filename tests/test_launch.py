@@ -41,6 +41,14 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux /proc)."""
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+    except OSError:
+        return False
+
+
 def spawned_workers(pid: int) -> list[int]:
     """Descendants that are launcher ranks: processes holding a rank's stack file open (forked
     from the forkserver or spawned; not the forkserver itself, not the resource tracker)."""
@@ -176,9 +184,7 @@ class TestKillOneWorkerOfTheDemo(unittest.TestCase):
         self.assertIn("rank 1 failed: killed by signal SIGKILL", stderr)
         self.assertNotIn("Traceback", stderr)
         self.assertLess(elapsed, 10)
-        alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()
-                 and "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]]
-        self.assertEqual(alive, [])
+        self.assertEqual([pid for pid in pids if alive(pid)], [])
 
 
     def test_workers_exit_when_the_launcher_is_killed(self):
