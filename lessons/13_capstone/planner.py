@@ -223,12 +223,14 @@ def zero1_state_bytes(params: float, dp: int, param_bytes: float, grad_bytes: fl
 
 def model_state_bytes(model: Model, layout: nd.Layout, run: Run, stage: int) -> float:
     """Weights, gradients and optimizer states of one rank of `stage`: lesson 03's
-    `zero_bytes_per_device("zero1", Psi, dp)` on this rank's Psi = stage_parameters (what
-    ZeRO-1 over dp keeps: the whole weights and gradients, K Psi / dp of optimizer state),
-    plus AdamW's float32 step counter per tensor. Exact when dp divides every tensor; else
-    rank 0's shards hold up to one element more per tensor (lesson 03's shard_bounds)."""
+    `zero_bytes_per_device("zero1", Psi, dp cp)` on this rank's Psi = stage_parameters (what
+    nd.py's ZeRO-1 over the dp x cp ranks keeps: the whole weights and gradients, K Psi /
+    (dp cp) of optimizer state), plus AdamW's float32 step counter per tensor. Exact when dp cp
+    divides every tensor; else rank 0's shards hold up to one element more per tensor (lesson
+    03's shard_bounds)."""
     psi, tensors = stage_parameters(model, layout, stage)
-    return zero1_state_bytes(psi, layout.dp, run.param_bytes, run.grad_bytes, run.optimizer_bytes) + \
+    return zero1_state_bytes(psi, layout.dp * layout.cp, run.param_bytes, run.grad_bytes,
+                             run.optimizer_bytes) + \
         STEP_COUNTER_BYTES * tensors
 
 
