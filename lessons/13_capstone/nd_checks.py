@@ -207,6 +207,39 @@ def run_layout(config: nd_model.GPTConfig, layout: nd.Layout, batches: list, dev
                                   dcp_save, bf16)], device, timeout_s)[0]
 
 
+# The proof's configs: sizes no degree divides (hidden 20: ZeRO shards of 7, 7, 6 on 3 ranks and
+# 4, 4, 3, 3, 3, 3 on 6; vocabulary 37), 12 positions (cp3: 2 zig-zag chunks of 2 per rank), 12
+# sequences; PIPE has 3 layers for pp3 (a middle stage) and 4 micro-batches (m != pp); HEADS 3
+# heads of 7 for tp3 (tp splits whole heads).
+DATA = nd_model.GPTConfig(vocab=37, hidden=20, heads=4, layers=2, seq=12, global_batch=12,
+                          microbatches=2, steps=4)
+PIPE = dataclasses.replace(DATA, layers=3, microbatches=4)
+HEADS = dataclasses.replace(DATA, hidden=21, heads=3)
+# name -> (layout, config, batches): a degree of 3 in each dimension, then two compositions of 6
+PROOF = {"dp3": (nd.Layout(dp=3), DATA, "padded"), "cp3": (nd.Layout(cp=3), DATA, "packed"),
+         "pp3": (nd.Layout(pp=3), PIPE, "padded"), "tp3": (nd.Layout(tp=3), HEADS, "packed"),
+         "tp2xpp3": (nd.Layout(tp=2, pp=3), PIPE, "packed"),
+         "dp3xcp2": (nd.Layout(dp=3, cp=2), DATA, "padded")}
+
+
+def make_batches(config: nd_model.GPTConfig, kind: str, steps: int | None = None) -> list:
+    """`steps` (default config.steps) global batches of `kind`: "random", "padded", "packed"."""
+    return globals()[f"{kind}_batches"](config, steps or config.steps)
+
+
+def proof_table(names: list[str] | None = None, device: str = "cpu") -> list[dict]:
+    """PROOF's layouts (or `names` of them) against one process each, one launch per world
+    size: [{"layout", "batches", "loss", "norm", "params"}] (max |diff|)."""
+    names = names or list(PROOF)
+    runs = [LayoutRun(PROOF[n][1], PROOF[n][0], make_batches(PROOF[n][1], PROOF[n][2])) for n in names]
+    rows = []
+    for name, run, results in zip(names, runs, run_layouts(runs, device)):
+        reference, model = nd_model.train_one_process(run.config, run.batches)
+        rows.append({"layout": str(run.layout), "batches": PROOF[name][2],
+                     **largest_differences(results, reference, model)})
+    return rows
+
+
 def largest_differences(results: list[dict], reference: list[tuple[float, float]],
                         model: nd_model.GPT) -> dict[str, float]:
     """Max |difference| from the one-process run over every rank and step: of the loss, of the
@@ -328,3 +361,10 @@ def one_process_gap(trainer: CorpusNDTrainer, model: nd_model.GPT, data: torch.T
                          f"norm {gap['norm']:.1e}, weights {gap['params']:.1e} (tolerances "
                          + ", ".join(f"{limit:.0e}" for limit in limits.values()) + ")")
     return gap
+
+
+if __name__ == "__main__":  # the README's table of the proof: python -m lessons.13_capstone.nd_checks
+    print("| layout | batches | loss | gradient norm | final weights |\n|---|---|---|---|---|")
+    for row in proof_table():
+        print(f"| {row['layout']} | {row['batches']} | {row['loss']:.1e} | {row['norm']:.1e} | "
+              f"{row['params']:.1e} |")
