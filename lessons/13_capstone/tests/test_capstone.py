@@ -613,7 +613,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertEqual(self.metrics["flops_per_token"], flops.flops_per_token(103_808, 2, 64, 64))
         # the worked GPT-2 example (857M FLOPs per token, 10.8% MFU): TestCostModel
         self.assertEqual(flops.peak_flops_for("NVIDIA H100 80GB HBM3"), 989e12)
-        self.assertEqual(M.micro_batch_size(16, 2, 2), 4)  # "2 ranks x 2 micro-batches of 4"
+        self.assertEqual(M.micro_batch_size(24, 2, 2), 6)
+        self.assertIn("2 ranks x 2 micro-batches of 6 sequences", README)
 
     def test_no_weights_digest_is_quoted(self):
         # a sha256 of trained weights is a same-machine fact: the README must not promise one

@@ -43,6 +43,7 @@ tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")
 C = importlib.import_module("lessons.13_capstone.checks")  # the capstone's CLI
 MAIN = Path(nd.__file__).with_name("main.py")
+README = MAIN.with_name("README.md").read_text()
 
 TOLERANCE = {"loss": 1e-12, "norm": 1e-12, "params": 1e-9}
 DATA, PIPE, HEADS = nd_checks.DATA, nd_checks.PIPE, nd_checks.HEADS  # uneven sizes: nd_checks
@@ -133,16 +134,16 @@ class Runs:
         world = CASES[name].layout.world
         if world == 6:
             cls.of("cp3")  # the world-6 launch resumes the world-3 checkpoints
+        names = [n for n, case in CASES.items() if case.layout.world == world]
         if world in cls.failed:
-            raise AssertionError(f"the {world}-rank launch failed before (not launched again): "
-                                 f"{cls.failed[world]}") from cls.failed[world]
+            raise AssertionError(f"the {world}-rank launch ({', '.join(names)}) failed before, not "
+                                 f"launched again: {cls.failed[world]}") from cls.failed[world]
         if name not in cls.results:
-            names = [n for n, case in CASES.items() if case.layout.world == world]
             try:
                 results = nd_checks.run_layouts([cls.run_of(n) for n in names], "cpu", timeout_s=60.0)
-            except BaseException as exc:
+            except Exception as exc:
                 cls.failed[world] = exc
-                raise
+                raise AssertionError(f"the {world}-rank launch ({', '.join(names)}) failed: {exc}") from exc
             cls.results.update(zip(names, results))
         return cls.results[name]
 
@@ -284,8 +285,11 @@ class TestLossOverRealTokens(unittest.TestCase):
                         "the shares' gradient must be the one-process loss's gradient")
         means = [F.cross_entropy(lg.reshape(-1, 5), tg.t().reshape(-1), ignore_index=nd_model.IGNORE_INDEX)
                  for lg, tg in self.pieces if (tg != nd_model.IGNORE_INDEX).any()]
-        self.assertGreater(abs((sum(means) / len(means)).item() - self.expected.item()), 1e-3,
+        mean_of_means = (sum(means) / len(means)).item()
+        self.assertGreater(abs(mean_of_means - self.expected.item()), 1e-3,
                            "the case must tell the mean over targets from a mean of the pieces' means")
+        for quoted in (f"is **{self.expected.item():.3f}**", f"means **{mean_of_means:.3f}**"):
+            self.assertIn(quoted, README, "the README's worked example (The math)")
 
     def test_a_piece_without_real_targets_adds_zero(self):
         shares = loss_shares(self.pieces, self.real, microbatches=2)
