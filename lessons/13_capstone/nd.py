@@ -273,11 +273,10 @@ class ZeroOverGroup(zero.ZeroStage1):
     """Lesson 03's ZeRO-1 over a group of a mesh (nd.py: dp x cp, the ranks that split the
     data): the same shards (shard_bounds of each flattened parameter over the group), the
     same step, with torch.distributed's reduce-scatter and all-gather on the group (lesson
-    01's rings run on the default group only), one of each per step for all the parameters
-    (uneven shards padded to each parameter's largest). The reduce-scatter SUMS: each rank's
-    loss is already divided by the global token count (torchtitan sets FSDP's gradient divide
-    factor to 1 for the same reason). No broadcast: every rank already holds the same initial
-    weights."""
+    01's rings run on the default group only). Uneven shards are padded to the largest for
+    the collective. The reduce-scatter SUMS: each rank's loss is already divided by the global
+    token count (torchtitan sets FSDP's gradient divide factor to 1 for the same reason). No
+    broadcast: every rank already holds the same initial weights."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup,
                  make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
@@ -300,30 +299,26 @@ class ZeroOverGroup(zero.ZeroStage1):
         return rows, bounds
 
     def reduce_scatter_gradients(self) -> None:
-        """One reduce-scatter of every gradient at once: column block i of the (world, sum of
-        widths) buffer holds parameter i's `padded` rows, so row r is rank r's shard of every
-        parameter; each shard.grad is its piece of what comes back, the SUM over the group."""
-        rows = torch.cat([self.padded(param.grad.reshape(-1))[0] for _, param in self.named], dim=1)
-        mine = rows.new_empty(rows.shape[1])
-        dist.reduce_scatter_single(mine, rows.reshape(-1), group=self.group)
-        widths = [-(-param.numel() // self.world) for _, param in self.named]  # ceil: the padded shard
-        for (_, param), shard, piece in zip(self.named, self.shards, mine.split(widths)):
-            shard.grad = piece[:shard.numel()]
+        """Per parameter (one at a time: no buffer of every gradient at once), my shard of the
+        SUM of the group's gradients, then param.grad = None."""
+        for (_, param), shard in zip(self.named, self.shards):
+            rows, _ = self.padded(param.grad.reshape(-1))
+            mine = rows.new_empty(rows.shape[1])
+            dist.reduce_scatter_single(mine, rows.reshape(-1), group=self.group)
+            shard.grad = mine[:shard.numel()]  # the sum over the group
             param.grad = None
 
     def all_gather_parameters(self) -> None:
-        """One all-gather of every updated shard (padded, side by side), copied into the full
-        parameters in place (param keeps its tensor; no autograd)."""
-        widths = [-(-param.numel() // self.world) for _, param in self.named]
-        mine = torch.cat([torch.cat([shard.detach(), shard.new_zeros(width - shard.numel())])
-                          for shard, width in zip(self.shards, widths)])
-        rows = mine.new_empty(self.world, mine.numel())
-        dist.all_gather_single(rows.view(-1), mine, group=self.group)
-        with torch.no_grad():
-            for (_, param), block in zip(self.named, rows.split(widths, dim=1)):
-                bounds = collectives.chunk_bounds(param.numel(), self.world)
+        """Per parameter, every rank's updated shard copied into the full parameter in place."""
+        for (_, param), shard in zip(self.named, self.shards):
+            rows, bounds = self.padded(torch.zeros(param.numel(), dtype=param.dtype,
+                                                   device=param.device))
+            mine = rows.new_zeros(rows.shape[1])
+            mine[:shard.numel()] = shard.detach()
+            dist.all_gather_single(rows.view(-1), mine, group=self.group)
+            with torch.no_grad():
                 param.copy_(torch.cat([row[:end - start] for row, (start, end)
-                                       in zip(block, bounds)]).view_as(param))
+                                       in zip(rows, bounds)]).view_as(param))
 
 
 class NDTrainer:
