@@ -90,6 +90,16 @@ class TestBlockLoss(unittest.TestCase):
                         f"{max_abs_diff(y.grad, want):.3g}")
         self.assertEqual(float(M.normalized_mse(torch.zeros(3), torch.zeros(3))), 0.0)  # eps: no 0/0
 
+    def test_a_zero_denominator_gives_a_large_positive_loss(self):
+        """A student that outputs something where the teacher outputs nothing (t = 0), or where
+        the teacher block changes nothing (t = x): the loss is sum((y - t)^2) / eps, positive
+        and finite, never negative or infinite."""
+        y, zero = torch.tensor([1.0, -2.0]), torch.zeros(2)
+        for name, loss in (("normalized_mse(y, 0)", M.normalized_mse(y, zero)),
+                           ("block_change_mse(y, x, t = x)", M.block_change_mse(y, zero, zero))):
+            self.assertTrue(torch.isfinite(loss) and float(loss) > 0, f"{name} = {float(loss)}")
+            self.assertAlmostEqual(float(loss) * M.EPS, 5.0, places=3, msg=f"{name} x eps")
+
 
 @exercise("distill-step")
 class TestDistillStep(unittest.TestCase):
