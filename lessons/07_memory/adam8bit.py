@@ -85,11 +85,15 @@ class Adam8bit(torch.optim.Optimizer):
                  min_8bit_numel: float = MIN_8BIT_NUMEL, block: int = BLOCK) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
         self.min_8bit_numel, self.block = min_8bit_numel, block
-        self.steps = 0
 
     @torch.no_grad()
-    def step(self) -> None:
-        self.steps += 1
+    def step(self, closure=None):
+        """One Adam step for every parameter that has a gradient (one without is skipped and
+        its step count stays, as in torch); `closure` as torch's optimizers take it."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for param in group["params"]:
@@ -99,17 +103,20 @@ class Adam8bit(torch.optim.Optimizer):
                 quantized = param.numel() >= self.min_8bit_numel
                 if not state:
                     zeros = torch.zeros_like(param)
+                    state["step"] = 0  # per parameter: bias correction counts its own steps
                     state.update(self._store(zeros, True, quantized, "m"))
                     state.update(self._store(zeros, False, quantized, "v"))
+                state["step"] += 1
                 m = self._load(state, True, quantized, "m", param.shape)
                 v = self._load(state, False, quantized, "v", param.shape)
                 m.lerp_(param.grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
-                bias1, bias2 = 1 - beta1 ** self.steps, 1 - beta2 ** self.steps
+                bias1, bias2 = 1 - beta1 ** state["step"], 1 - beta2 ** state["step"]
                 denom = (v.sqrt() / math.sqrt(bias2)).add_(group["eps"])
                 param.addcdiv_(m, denom, value=-group["lr"] / bias1)
                 state.update(self._store(m, True, quantized, "m"))
                 state.update(self._store(v, False, quantized, "v"))
+        return loss
 
     def _store(self, value: torch.Tensor, signed: bool, quantized: bool, name: str) -> dict:
         if not quantized:
