@@ -573,7 +573,8 @@ class TestProtocolTogether(TmpDir):
 
     def test_the_damage_checks_refuse_a_checkpoint_our_commit_wrote(self):
         step_dir = C.save_single(self.dir / "ck", 5, keep=10, world=3)
-        self.assertTrue(all(check.passed for check in C.corrupt_and_expect(step_dir, self.dir, 3)))
+        failed = [f"{c.name}: {c.detail}" for c in C.corrupt_and_expect(step_dir, self.dir, 3) if not c.passed]
+        self.assertEqual(failed, [], "damaged copies of a checkpoint our commit wrote (3 ranks)")
 
     def test_export_round_trip_and_failures(self):
         tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.float64)}
@@ -648,7 +649,8 @@ class TestOnSpawnedRanks(unittest.TestCase):
     def test_3_to_2_and_3_to_1_equal_the_unsharded_reference(self):
         for result in [r["resumed"] for r in self.per_rank] + [self.unsharded]:
             self.assertEqual(result["resumed_from"], 3)
-            self.assertLess(max_abs_diff(result["params"], self.reference), C.RESHARD_TOLERANCE)
+            self.assertLess(max_abs_diff(result["params"], self.reference), C.RESHARD_TOLERANCE,
+                            f"resharded from 3 ranks (resumed at {result['resumed_from']}) vs one process")
         self.assertEqual(self.unsharded["saved_world"], 3)
 
     def test_a_failed_write_in_a_real_run_commits_nothing(self):
@@ -724,7 +726,7 @@ class TestDemo(unittest.TestCase):
         self.assertEqual(self.code, 0, failed)
         self.assertEqual(failed, [])
         names = [c["name"] for c in self.report["checks"]]
-        self.assertGreaterEqual(len(names), 28)
+        self.assertGreaterEqual(len(names), 28, f"the demo's checks: {names}")
         self.assertEqual(self.report["metrics"]["resumed_from_step"], 6)
         self.assertIn("resharded 2 -> 3 ranks == unsharded reference", names)
         self.assertIn("a failed write (rank 1, step 6, async, keep 1) commits nothing", names)
@@ -757,7 +759,7 @@ class TestDemo(unittest.TestCase):
                                            "--json", f"{tmp}/k.json")
             self.assertEqual(code, 0, stderr)
             got = json.loads(Path(f"{tmp}/k.json").read_text())["metrics"]
-        self.assertGreater(got["resumed_from_step"], 0)
+        self.assertGreater(got["resumed_from_step"], 0, "the killed run must have left a checkpoint to resume from")
         self.assertEqual(got["final_param_sha256"], expected)
 
     def test_under_torchrun_every_rank_shares_one_directory(self):
@@ -819,7 +821,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"about {saves:.0f} saves", self.readme)
         self.assertIn(f"{100 * math.sqrt(2 * 60 / 86400):.1f}%", self.readme)
         for c, m, want, half_unit in C.DALY_EXAMPLES:
-            self.assertLessEqual(abs(R.daly_interval(c, m) - want), half_unit)
+            self.assertLessEqual(abs(R.daly_interval(c, m) - want), half_unit,
+                                 f"Daly's optimum for C={c}, M={m} min: {R.daly_interval(c, m):.2f}, paper {want}")
 
     def test_scaler_story(self):
         full, saved, skipped = C.scaler_run(torch.float16, {1: 96.0, 5: 48.0}, 10_000)

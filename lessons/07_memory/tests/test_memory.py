@@ -461,9 +461,6 @@ class TestDocNumbers(unittest.TestCase):
         self.assertQuoted(f"**{recomputed['kept_after_forward'] / 1e6:.1f} MB**")
         self.assertQuoted(f"**{recomputed['backward_beyond_states'] / 1e6:.1f} MB**")
         self.assertQuoted(f"{plain['kept_after_forward'] / 1e9:.2f} GB kept")
-        selective = C.gpt_step_on_meta(**M.GPT2_XL, recompute="selective")
-        self.assertQuoted(f"with selective recomputation: {selective['kept_after_forward'] / 1e9:.2f} GB "
-                          f"kept, **{selective['backward_beyond_states'] / 1e9:.2f} GB**")
         self.assertQuoted(f"**{plain['backward_beyond_states'] / 1e9:.2f} GB**")
         states = M.training_memory(**M.GPT2_XL, recipe="mixed_adam8bit")["states_bytes"]
         self.assertQuoted(f"**{(states + recomputed['backward_beyond_states']) / 1e9:.1f} GB**")
@@ -518,7 +515,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertEqual(swallowed["bf16"], 1.0)
         self.assertQuoted(f"stays 1.0 in bf16, {swallowed['fp32_master']:.6f} in an fp32 master")
         self.assertQuoted(", ".join(f"{s:.0f}" for s in C.compare_with_grad_scaler()["ours"]["scales"]))
-        self.assertLessEqual(max(v["loss_rel_err"] for v in C.autocast_dtypes().values()), 0.003)
+        self.assertLessEqual(max(v["loss_rel_err"] for v in C.autocast_dtypes().values()), 0.003,
+                             f"autocast loss vs fp32: {C.autocast_dtypes()}")
 
     def test_adam8bit_numbers(self):
         result = C.compare_adam8bit(150, 64, 4, 2, 16, 16)
@@ -530,9 +528,10 @@ class TestDocNumbers(unittest.TestCase):
         self.assertQuoted(f"from {result['first_loss']:.3f}")
         # Adam's curve is smooth: the same to 1e-6 across CPUs; the 8-bit one moves by ~5e-4
         self.assertQuoted("0.7998 with Adam")
-        self.assertLessEqual(abs(result["final_loss"]["adam"] - 0.7998), 1e-4)
+        self.assertLessEqual(abs(result["final_loss"]["adam"] - 0.7998), 1e-4, f"Adam's final loss {result['final_loss']['adam']}")
         self.assertQuoted("**0.800 ± 0.002** with 8-bit Adam")
-        self.assertLessEqual(abs(result["final_loss"]["adam8bit"] - 0.800), 0.002)
+        self.assertLessEqual(abs(result["final_loss"]["adam8bit"] - 0.800), 0.002,
+                             f"8-bit Adam's final loss {result['final_loss']['adam8bit']}")
 
 
 class TestDemo(unittest.TestCase):
