@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import multiprocessing
 import os
 import pickle
 import random
@@ -27,11 +29,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, WorkerError, choose_device, inject_fault, launch, under_torchrun
+from lessons._launch import RankContext, choose_device, inject_fault, launch, under_torchrun
 from lessons._report import (
     Check,
     Report,
@@ -43,8 +46,7 @@ from lessons._report import (
     world_size_of,
 )
 
-from . import failure_model, integrity, recovery
-from . import main as detection
+from . import failure_model, recovery
 
 capstone, checkpointing = recovery.capstone, recovery.checkpointing
 
@@ -113,16 +115,39 @@ def load_corpus() -> tuple[torch.Tensor, int]:
 
 
 def run_worker(ctx: RankContext, config: dict, out: str, how: dict, fault: dict,
-               attempt: int) -> dict:
-    """One rank of one attempt: the run in float64 with the failure `fault` armed."""
+               attempt: int, slow: tuple[float, float] = (0.0, 0.0)) -> dict:
+    """One rank of one attempt: the run in float64 with the failure `fault` armed; `slow` =
+    (seconds to sleep after each step, seconds each shard write waits: to act on a run by
+    hand, or to cut a save with SIGKILL)."""
     torch.set_default_dtype(torch.float64)
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER)  # read at the first collective
     injected = Fault(**fault, attempt=attempt)
     data, vocab = load_corpus()
-    resilience = recovery.Resilience(**how, after_step=lambda trainer: injected(ctx, trainer))
-    result = recovery.train_resiliently(ctx, capstone.GPTRunConfig(**config), data, vocab,
-                                        Path(out), resilience)
+
+    def after_step(trainer) -> None:
+        injected(ctx, trainer)
+        time.sleep(slow[0])
+
+    resilience = recovery.Resilience(**how, after_step=after_step)
+    with slow_writes(slow[1]):
+        result = recovery.train_resiliently(ctx, capstone.GPTRunConfig(**config), data, vocab,
+                                            Path(out), resilience)
     return {**result, "attempt": recovery.restart_count(attempt)}
+
+
+@contextlib.contextmanager
+def slow_writes(seconds: float):
+    """Every checkpoint shard written while active waits `seconds` first (a slow filesystem)."""
+    if not seconds:
+        yield
+        return
+    real = checkpointing.write_shard
+
+    def write(step_dir, rank, world, payload):
+        time.sleep(seconds)
+        return real(step_dir, rank, world, payload)
+    with mock.patch.object(checkpointing, "write_shard", write):
+        yield
 
 
 def batch_worker(ctx: RankContext, config: dict, runs: list[tuple[str, dict, dict]]) -> list[dict]:
@@ -130,10 +155,11 @@ def batch_worker(ctx: RankContext, config: dict, runs: list[tuple[str, dict, dic
     return [run_worker(ctx, config, out, how, fault, 0) for out, how, fault in runs]
 
 
-def start_job(config: dict, out: Path, how: dict, fault: dict, device: str, timeout: float):
+def start_job(config: dict, out: Path, how: dict, fault: dict, device: str, timeout: float,
+              slow: tuple[float, float] = (0.0, 0.0)):
     """What `elastic_agent` starts: every rank of one attempt, self-spawned."""
     def start(world: int, attempt: int) -> list[dict]:
-        return launch(run_worker, world, (config, str(out), how, fault, attempt),
+        return launch(run_worker, world, (config, str(out), how, fault, attempt, slow),
                       device=device, timeout_s=timeout)
     return start
 
@@ -179,8 +205,9 @@ def hang_row(reference: dict, outcome: dict, diagnostics: Path, rank: int, step:
     stacks = (diagnostics / f"rank{rank}.stacks")
     in_fault = stacks.exists() and "inject_fault" in stacks.read_text()
     named = bool(verdicts) and all(v["culprits"] == [rank] for v in verdicts)
-    final = outcome["results"][0]
-    ok = named and in_fault and final["sha256"] == reference["sha256"]
+    final, error = outcome["results"][0], outcome["attempts"][0]["error"] or ""
+    ok = (named and in_fault and f"rank {rank} failed: WatchdogTimeout" in error
+          and final["sha256"] == reference["sha256"])
     message = verdicts[0]["message"] if verdicts else "no diagnosis written"
     detect = Check(f"hang on rank {rank} at step {step}: watchdog ({deadline:g} s) named it, "
                    "restarted, survived", ok,
@@ -298,7 +325,7 @@ def demo(args, config: capstone.GPTRunConfig) -> Report:
     world = world_size_of(args)
     device, backend = choose_device(args.device, world)
     replicas = max(world, 2)  # silent corruption and stragglers need a replica to compare
-    rank, step = min(args.fault_rank, world - 1), args.fault_step
+    rank, step = args.fault_rank, args.fault_step
     conf = dataclasses.asdict(config)
     how = {"save_every": args.save_every, "check_every": args.check_every, "deadline": 0.0,
            "grace": args.grace}
@@ -366,14 +393,19 @@ def job(args, config: capstone.GPTRunConfig) -> Report:
     conf = dataclasses.asdict(config)
     world = world_size_of(args)
     device, backend = choose_device(args.device, world)
+    slow = (args.sleep_per_step, args.save_delay)
     if under_torchrun():
-        results = launch(run_worker, world, (conf, str(args.out), how, fault, 0),
+        results = launch(run_worker, world, (conf, str(args.out), how, fault, 0, slow),
                          device=args.device, timeout_s=args.timeout)
         attempts = [{"world": world, "error": None}]
-    else:
-        outcome = recovery.elastic_agent(start_job(conf, args.out, how, fault, args.device,
-                                                   args.timeout),
-                                         world, args.max_restarts, args.min_world_size)
+    else:  # a scheduler's SIGTERM to this process goes on to the ranks; this one waits for them
+        previous = signal.signal(signal.SIGTERM, forward_to_ranks)
+        try:
+            outcome = recovery.elastic_agent(start_job(conf, args.out, how, fault, args.device,
+                                                       args.timeout, slow),
+                                             world, args.max_restarts, args.min_world_size)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         results, attempts = outcome["results"], outcome["attempts"]
     manifest = checkpointing.verify_checkpoint(checkpointing.read_latest(args.out / "checkpoints"),
                                                None, True, config.fingerprint())
@@ -387,7 +419,16 @@ def job(args, config: capstone.GPTRunConfig) -> Report:
               first["step"] == config.steps or (bool(preempted) and manifest["step"] == first["step"]),
               f"step {first['step']} of {config.steps}; latest checkpoint step {manifest['step']}"),
     ]
-    metrics = {"final_param_sha256": first["sha256"], "step": first["step"],
+    diagnosis = args.out / "diagnostics" / "attempt0" / f"rank{args.fault_rank}.json"
+    verdict = json.loads(diagnosis.read_text())["verdict"]["message"] if diagnosis.exists() else None
+    if len(attempts) > 1:
+        checks.append(Check(f"attempt 0 failed ({args.fault} on rank {args.fault_rank} at step "
+                            f"{args.fault_step}), the agent restarted it from the latest "
+                            "checkpoint", first["resumed_from"] is not None,
+                            f"{(attempts[0]['error'] or '')[:100]}; ranks "
+                            f"{' -> '.join(str(a['world']) for a in attempts)}; resumed from "
+                            f"step {first['resumed_from']}"))
+    metrics = {"final_param_sha256": first["sha256"], "step": first["step"], "diagnosis": verdict,
                "restart_count": first["attempt"], "attempts": attempts,
                "resumed_from": first["resumed_from"], "events": first["events"],
                "stragglers": sorted({s["straggler"] for s in first["steps"]
@@ -395,6 +436,13 @@ def job(args, config: capstone.GPTRunConfig) -> Report:
                "headline": f"step {first['step']}, attempt {first['attempt']}, resumed from "
                            f"{first['resumed_from']}"}
     return Report(LESSON, device, backend, len(results), checks, metrics)
+
+
+def forward_to_ranks(signum, frame) -> None:
+    """The launching process's SIGTERM handler: pass the notice on to every live rank."""
+    for child in multiprocessing.active_children():
+        if child.name.startswith("rank") and child.pid is not None:
+            os.kill(child.pid, signal.SIGTERM)
 
 
 # ============================================================================ the command line
@@ -419,14 +467,23 @@ def parse_args(argv: list[str] | None = None):
                         help="seconds between SIGTERM and the expected SIGKILL (default 30)")
     parser.add_argument("--out", type=Path, default=None,
                         help="run one job into this directory (checkpoints, diagnostics) "
-                             "instead of the demo; required under torchrun")
+                             "instead of the demo (--fault alone: a temporary one); required "
+                             "under torchrun")
     parser.add_argument("--resume", action="store_true", help="continue OUT's checkpoints")
     parser.add_argument("--max-restarts", type=int_in(0, 100), default=1,
                         help="self-spawned job: restarts after a failure (torchrun: its own flag)")
+    parser.add_argument("--sleep-per-step", type=float_in(0.0, 60.0), default=0.0,
+                        help="slow the run down, to signal or kill it by hand")
+    parser.add_argument("--save-delay", type=float_in(0.0, 60.0), default=0.0,
+                        help="each shard write waits this long (a slow filesystem: cut a save "
+                             "with SIGKILL and see `latest` keep the previous checkpoint)")
     parser.add_argument("--min-world-size", type=int_in(1), default=None,
                         help="self-spawned job: restart on one rank fewer after a failure, down "
                              "to this many (torchrun: --nnodes=MIN:MAX)")
+    parser.set_defaults(fault_rank=None)
     args = parser.parse_args(argv)
+    if args.fault_rank is None:  # the last rank: the others then wait for it
+        args.fault_rank = world_size_of(args) - 1
     world = check_args(parser, args)
     if args.fault is not None and args.fault_rank >= world:
         parser.error(f"--fault-rank {args.fault_rank} is not a rank of {world}")
@@ -441,9 +498,10 @@ def parse_args(argv: list[str] | None = None):
         parser.error("--out is required under torchrun (every rank writes to one directory)")
     if args.out is None and args.resume:
         parser.error("--resume needs --out")
+    args.demo = args.out is None and args.fault is None
     if args.watchdog is None:
-        args.watchdog = 2.0 if args.out is None else 10.0
-    if args.out is None and args.fault_step >= args.steps:
+        args.watchdog = 2.0 if args.demo else 10.0
+    if args.demo and args.fault_step >= args.steps:
         parser.error(f"the demo needs --fault-step below --steps ({args.fault_step} >= {args.steps})")
     return args
 
@@ -452,8 +510,12 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
     config = run_config(args.steps, args.seed)
-    if args.out is None:
+    if args.demo:
         return finish(demo(args, config), args.json, started)
+    if args.out is None:  # --fault without --out: one job in a temporary directory
+        with tempfile.TemporaryDirectory(prefix="lesson14-job-") as tmp:
+            args.out = Path(tmp)
+            return finish(job(args, config), args.json, started)
     latest = args.out / "checkpoints" / "latest"
     if latest.exists() and not args.resume and recovery.restart_count() == 0:
         print(f"error: {args.out} already holds checkpoints: pass --resume to continue them, "
