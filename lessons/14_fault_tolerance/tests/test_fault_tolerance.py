@@ -394,13 +394,13 @@ class TestPreemptedForReal(unittest.TestCase):
                     time.sleep(0.05)
                 self.assertTrue((ckpt / "latest").exists(), "no first checkpoint")
                 os.killpg(proc.pid, signal.SIGTERM)  # the notice, to every process of the job
-                committed = M.checkpointing.read_latest(ckpt).name
+                committed = R.checkpointing.read_latest(ckpt).name
                 newer = None
                 while time.monotonic() < deadline and newer is None:  # the emergency save begins
                     newer = next((d for d in ckpt.glob("step-*") if d.name > committed
                                   and not (d / "manifest.json").exists()), None)
                     time.sleep(0.02)
-                latest_before_kill = M.checkpointing.read_latest(ckpt).name
+                latest_before_kill = R.checkpointing.read_latest(ckpt).name
                 os.killpg(proc.pid, signal.SIGKILL)  # the grace is over for this save
                 proc.communicate(timeout=60)
             finally:
@@ -409,9 +409,9 @@ class TestPreemptedForReal(unittest.TestCase):
                     proc.communicate()
             self.assertIsNotNone(newer, "the emergency save never started")
             self.assertFalse((newer / "manifest.json").exists(), "the cut save was committed")
-            latest = M.checkpointing.read_latest(ckpt)
+            latest = R.checkpointing.read_latest(ckpt)
             self.assertEqual(latest.name, latest_before_kill, "latest moved to the cut save")
-            M.checkpointing.verify_checkpoint(latest, 2)
+            R.checkpointing.verify_checkpoint(latest, 2)
             time.sleep(0.2)
             self.assertEqual(processes_mentioning(str(out)), [])
             code = C.main([*SMALL, "--world-size", "2", "--out", str(out), "--resume",
@@ -500,6 +500,15 @@ class TestDocNumbers(unittest.TestCase):
         work = llama["days"] * 24 * HOUR
         self.assertIn(f"{FM.goodput(work, young, 60.0, 600.0, mtbf):.1%}", README)
         self.assertIn(f"{FM.goodput(work, young, 60.0, 0.0, mtbf):.1%}", README)
+        fast = FM.young_interval(10.0, mtbf)  # an asynchronous save blocking for 10 s
+        self.assertIn(f"**{FM.goodput(work, fast, 10.0, 600.0, mtbf):.1%}**", README)
+
+    def test_the_model_reproduces_dalys_optima(self):
+        for mtbf, printed, half in C.DALY_FIGURES:
+            best = FM.best_interval(500 * HOUR, 300.0, 600.0, mtbf) / 60
+            with self.subTest(mtbf=mtbf):
+                self.assertLessEqual(abs(best - printed), half)
+                self.assertIn(f"**{best:.2f}**", README)
 
     def test_the_25_hour_run(self):
         work, mtbf = 25 * HOUR, 24 * HOUR
