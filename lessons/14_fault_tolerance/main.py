@@ -203,8 +203,8 @@ class Watchdog:
     Either way (`fire`): `diagnose` the heartbeats, write this rank's full dump, the verdict,
     PyTorch's flight recorder (where the backend records one) and every thread's stack into
     `out_dir`, then a rank the verdict names raises WatchdogTimeout in its main thread (or, if
-    that thread sits in C code, exits with code 86 half a second later); the others wait half a second
-    for it to go (their collective then fails) and exit with code 86 if still stuck.
+    that thread sits in C code, exits with code 86 3 s later); the others give it 1.5 s to go
+    (their collective then fails) and exit with code 86 if still stuck.
     Detection within deadline + poll seconds of the last progress."""
 
     EXIT_CODE = 86
@@ -226,7 +226,7 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self.verdict is None:  # a fired watchdog ends the process
             self._thread.join()
 
     def heartbeat(self) -> dict:
@@ -273,9 +273,10 @@ class Watchdog:
                 torch._C._distributed_c10d._dump_fr_trace())
         except (AttributeError, RuntimeError):
             pass
-        if self.rank in self.verdict["culprits"]:
+        culprit = self.rank in self.verdict["culprits"]
+        if culprit:  # the culprit's error must reach the launcher first: it names the cause
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
-        time.sleep(0.5)
+        time.sleep(3.0 if culprit else 1.5)
         os._exit(self.EXIT_CODE)
 
     def _raise_in_main(self, signum, frame) -> None:
