@@ -127,9 +127,15 @@ def check_replicas(named: dict[str, torch.Tensor], group=None) -> dict:
 def heal_from_replica(named: dict[str, torch.Tensor], healthy: int, group=None) -> None:
     """Overwrite every rank's tensors of `named` with the healthy rank's (GLOBAL rank
     `healthy`), in place: one broadcast per tensor, in sorted name order (the same order on
-    every rank). Afterwards every replica is bitwise the healthy one."""
+    every rank). Afterwards every replica is bitwise the healthy one. NCCL moves only CUDA
+    tensors: a CPU one (AdamW's step counter) goes through a CUDA copy there."""
+    staged = dist.get_backend(group) == "nccl"
     for name in sorted(named):
-        dist.broadcast(named[name].data, src=healthy, group=group)
+        tensor = named[name].data
+        buffer = tensor.cuda() if staged and not tensor.is_cuda else tensor
+        dist.broadcast(buffer, src=healthy, group=group)
+        if buffer is not tensor:
+            tensor.copy_(buffer)
 
 
 # ============================================================================ 6. stragglers

@@ -238,6 +238,12 @@ class Watchdog:
         self.store.set(f"{self.prefix}{self.rank}", json.dumps(self.heartbeat()))
 
     def _run(self) -> None:
+        try:
+            self._watch()
+        except (RuntimeError, OSError):  # the store went away with the run: nothing to watch
+            pass
+
+    def _watch(self) -> None:
         keys = [f"{self.prefix}{r}" for r in range(self.world)]
         seen: dict[int, tuple] = {}  # rank -> (beat, progress, when its beat last changed)
         progress_at = started = time.monotonic()
