@@ -147,16 +147,20 @@ def name_straggler(work: list[float], wall: list[float], factor: float = 2.0,
                    floor: float = 0.05) -> dict:
     """One step's per-rank times (index = rank): `work` = seconds the rank computed (its wall
     time minus the time it sat blocked in collectives), `wall` = its step's wall time.
-    The straggler is the rank with the largest work if that exceeds factor x the median work
-    AND the median by at least `floor` seconds (noise), else None. Also returns what the
+    The straggler is the rank with the largest work if that exceeds factor x the median of
+    the OTHER ranks' work AND that median by at least `floor` seconds (noise), else None
+    (one rank alone is nobody's straggler; with two, the other one is the reference). Also returns what the
     step cost: "seconds" = max(wall) (a synchronous step ends when the slowest rank is done),
     "mean_work", "max_work", and "waste" = seconds - mean_work, the time the average rank
     spent waiting. {"straggler", "seconds", "mean_work", "max_work", "waste"}."""
-    order = sorted(work)
-    median = order[len(order) // 2] if len(order) % 2 else (order[len(order) // 2 - 1] +
-                                                            order[len(order) // 2]) / 2
     slowest = max(range(len(work)), key=lambda r: work[r])
-    named = slowest if work[slowest] > factor * median and work[slowest] - median >= floor else None
+    others = sorted(w for r, w in enumerate(work) if r != slowest)
+    named = None
+    if others:
+        half = len(others) // 2
+        median = others[half] if len(others) % 2 else (others[half - 1] + others[half]) / 2
+        if work[slowest] > factor * median and work[slowest] - median >= floor:
+            named = slowest
     seconds, mean_work = max(wall), sum(work) / len(work)
     return {"straggler": named, "seconds": seconds, "mean_work": mean_work,
             "max_work": work[slowest], "waste": seconds - mean_work}

@@ -287,6 +287,11 @@ class TestStraggler(unittest.TestCase):
         self.assertIsNone(I.name_straggler([0.01, 0.03, 0.01], [0.03] * 3)["straggler"])
         self.assertEqual(I.name_straggler([0.01, 0.01, 0.2, 0.01], [0.2] * 4)["straggler"], 2)
 
+    def test_two_ranks_compare_with_each_other_and_one_rank_with_nobody(self):
+        # the median of both (0.145) would hide it: the reference is the OTHER rank
+        self.assertEqual(I.name_straggler([0.27, 0.02], [0.28, 0.28])["straggler"], 0)
+        self.assertIsNone(I.name_straggler([0.27], [0.28])["straggler"])
+
     def test_times_are_gathered_in_group_order(self):
         results = launch(W.straggler_worker, 3, ([1, 2],), device="cpu", timeout_s=60)
         for rank, result in enumerate(results):
@@ -331,7 +336,7 @@ class TestDemo(unittest.TestCase):
 
     def test_the_hang_names_rank_2_and_the_collective_ranks_0_and_1_wait_in(self):
         row = next(c for c in self.report["checks"] if c["name"].startswith("hang"))
-        self.assertRegex(row["detail"], r"rank 2 at step 5, last \w+ #\d+ \(completed\): never "
+        self.assertRegex(row["detail"], r"rank 2 at step 3, last \w+ #\d+ \(completed\): never "
                                         r"entered \w+ #\d+ on group \[0, 1, 2\]")
 
     def test_the_cost_of_checking_and_of_a_straggler_are_measured(self):
