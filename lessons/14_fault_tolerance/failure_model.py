@@ -90,21 +90,28 @@ def simulate_run(work: float, interval: float, save: float, restart: float, mtbf
     segments = [interval + save] * full + [work - full * interval]
     wall, failures = 0.0, 0
     for length in segments:
-        while True:
-            until_failure = rng.expovariate(1.0 / mtbf)
-            if until_failure >= length:
-                wall += length
+        while True:  # attempts at this segment
+            lost, failed = _failed_attempts(length, mtbf, rng, at_most=1)
+            wall, failures = wall + lost, failures + failed
+            if not failed:
                 break
-            wall += until_failure
-            failures += 1
-            while True:  # the restart itself may fail
-                until_failure = rng.expovariate(1.0 / mtbf)
-                if until_failure >= restart:
-                    wall += restart
-                    break
-                wall += until_failure
-                failures += 1
+            lost, failed = _failed_attempts(restart, mtbf, rng)  # the restart itself may fail
+            wall, failures = wall + lost + restart, failures + failed
+        wall += length
     return wall, failures
+
+
+def _failed_attempts(length: float, mtbf: float, rng: random.Random,
+                     at_most: int | None = None) -> tuple[float, int]:
+    """Try `length` seconds until an attempt sees no failure (or `at_most` failures): the
+    seconds spent in the failed attempts and their number."""
+    lost, failed = 0.0, 0
+    while at_most is None or failed < at_most:
+        until_failure = rng.expovariate(1.0 / mtbf)
+        if until_failure >= length:
+            break
+        lost, failed = lost + until_failure, failed + 1
+    return lost, failed
 
 
 def best_interval(work: float, save: float, restart: float, mtbf: float) -> float:
