@@ -202,9 +202,10 @@ class Watchdog:
     dead; when NO rank's (step, entries) changed for `deadline` seconds, the run is stuck.
     Either way (`fire`): `diagnose` the heartbeats, write this rank's full dump, the verdict,
     PyTorch's flight recorder (where the backend records one) and every thread's stack into
-    `out_dir`, then a rank the verdict names raises WatchdogTimeout in its main thread (or, if
-    that thread sits in C code, exits with code 86 3 s later); the others give it 1.5 s to go
-    (their collective then fails) and exit with code 86 if still stuck.
+    `out_dir`, and mark it done in the store; then a rank the verdict names waits for every
+    live rank's dump (at most `deadline` seconds) and raises WatchdogTimeout in its main thread
+    (or, if that thread sits in C code, exits with code 86 3 s later); the others give it
+    deadline + 1.5 s to go (their collective then fails) and exit with code 86 if still stuck.
     Detection within deadline + poll seconds of the last progress."""
 
     EXIT_CODE = 86
@@ -279,10 +280,15 @@ class Watchdog:
                 torch._C._distributed_c10d._dump_fr_trace())
         except (AttributeError, RuntimeError):
             pass
+        self.store.set(f"{self.prefix}dumped/{self.rank}", "1")
         culprit = self.rank in self.verdict["culprits"]
-        if culprit:  # the culprit's error must reach the launcher first: it names the cause
+        if culprit:  # wait (a deadline at most) for every live rank's dump, then go first
+            live = [f"{self.prefix}dumped/{r}" for r, beat in enumerate(heartbeats) if beat]
+            until = time.monotonic() + self.deadline
+            while not self.store.check(live) and time.monotonic() < until:
+                time.sleep(0.05)
             signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR2)
-        time.sleep(3.0 if culprit else 1.5)
+        time.sleep(3.0 if culprit else 1.5 + self.deadline)
         os._exit(self.EXIT_CODE)
 
     def _raise_in_main(self, signum, frame) -> None:
