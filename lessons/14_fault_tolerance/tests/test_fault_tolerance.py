@@ -50,10 +50,12 @@ HOUR = 3600.0
 SMALL = ["--device", "cpu", "--steps", "8", "--save-every", "2"]
 
 
-def cli(*args: str, **popen) -> subprocess.Popen:
+def cli(*args: str, tmp: str, **popen) -> subprocess.Popen:
+    """The lesson's command line in its own session; its temporary files (the launcher's run
+    directory, which a SIGKILLed launcher cannot remove) go under `tmp`."""
     return subprocess.Popen([sys.executable, str(MAIN), *args], cwd=REPO_ROOT,
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": tmp},
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen)
 
 
 _REFERENCE: dict[int, str] = {}
@@ -392,7 +394,7 @@ class TestPreemptedForReal(unittest.TestCase):
             ckpt = out / "checkpoints"
             proc = cli(*SMALL, "--world-size", "2", "--out", str(out), "--sleep-per-step", "0.2",
                        "--save-delay", "0.6", "--grace", "30", "--check-every", "1",
-                       start_new_session=True)
+                       tmp=tmp, start_new_session=True)
             try:
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline and not (ckpt / "latest").exists():
@@ -437,7 +439,7 @@ class TestPySpy(unittest.TestCase):
         with tempfile.TemporaryDirectory(prefix="lesson14-pyspy-") as tmp:
             proc = cli(*SMALL, "--world-size", "2", "--out", f"{tmp}/out", "--fault", "hang",
                        "--fault-rank", "1", "--fault-step", "2", "--watchdog", "0",
-                       "--max-restarts", "0", start_new_session=True)
+                       "--max-restarts", "0", tmp=tmp, start_new_session=True)
             try:
                 deadline, dump = time.monotonic() + 120, ""
                 while time.monotonic() < deadline and "inject_fault" not in dump:
