@@ -53,7 +53,7 @@ capstone, checkpointing = recovery.capstone, recovery.checkpointing
 LESSON = "14_fault_tolerance"
 FAULTS = ("crash", "hang", "exit", "sigterm", "bitflip", "slow")
 # Resharding to fewer ranks sums each step's gradient in another order: float64 rounding
-# (~1e-16 relative per step) grows through a few AdamW steps to about 1e-13 (measured 2.5e-14 on the
+# (~1e-16 relative per step) grows through a few AdamW steps to about 1e-13 (measured 9.1e-14 on the
 # dev machine); a wrong batch, LR or moment is 1e-4 or more.
 RESHARD_TOLERANCE = 1e-10
 SLOW_SECONDS = 0.4  # the injected straggler's extra time per step (a step takes ~0.05 s here)
@@ -214,7 +214,7 @@ def hang_row(reference: dict, outcome: dict, diagnostics: Path, rank: int, step:
     message = verdicts[0]["message"] if verdicts else "no diagnosis written"
     detect = Check(f"hang on rank {rank} at step {step}: watchdog ({deadline:g} s) named it, "
                    "restarted, survived", ok,
-                   f"{message[:120]}; stacks: {'in inject_fault' if in_fault else 'MISSING'}; "
+                   f"{message[:150]}; stacks: {'in inject_fault' if in_fault else 'MISSING'}; "
                    f"{len(outcome['attempts'])} attempts in {seconds:.1f} s; sha256 "
                    f"{'==' if same else '!='} uninterrupted")
     return detect, compare_with_flight_recorder(diagnostics)
