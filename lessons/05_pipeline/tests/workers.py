@@ -54,3 +54,37 @@ def pipeline_step(ctx, microbatches: int) -> dict:
                      "grad_gap": C.max_gap(grads, reference_grads),
                      "held": [item[1] for item in shared]}
     return out
+
+
+PIPELINE_GROUP = [1, 2, 3]  # a pipeline group that is not the world, in a world of 4
+
+
+def pipeline_step_on_a_group(ctx, microbatches: int) -> dict | None:
+    """`pipeline_step` on the pipeline group {1, 2, 3} of a 4-rank world (rank 0 idle): global
+    rank 1 is stage 0, so the stage comes from the group and every peer's group rank must be
+    mapped to its global rank. GPipe and 1F1B (oracle orders) against one process; None on
+    rank 0."""
+    group = dist.new_group(PIPELINE_GROUP)  # every rank takes part in creating it
+    out = None
+    if ctx.rank in PIPELINE_GROUP:
+        stage, stages = dist.get_rank(group), len(PIPELINE_GROUP)
+        dist.barrier(group=group)
+        reference = C.single_process_reference(2, microbatches)
+        reference_grads = [g.detach().reshape(-1).tolist() for g in reference["grads"]]
+        out = {}
+        for kind in ("gpipe", "1f1b"):
+            module = M.split_stage(C.make_layers(2), stage, stages)
+            x, y = C.pipeline_data(2, microbatches)
+            order = oracle_order(kind, stages, microbatches)[stage]
+            result = M.pipeline_step(module, order, list(x.chunk(microbatches)),
+                                     list(y.chunk(microbatches)), C.microbatch_loss,
+                                     (C.ROWS, C.WIDTH), group)
+            shared: list = [None] * stages
+            dist.all_gather_object(shared, ([p.grad.reshape(-1).tolist() for p in module.parameters()],
+                                            result["losses"], result["peak_held"]), group=group)
+            grads = [g for stage_grads, _, _ in shared for g in stage_grads]
+            out[kind] = {"loss_gap": C.max_gap(shared[-1][1], reference["losses"]),
+                         "grad_gap": C.max_gap(grads, reference_grads),
+                         "held": [item[2] for item in shared]}
+    dist.barrier()  # rank 0 waits for the group's step, so no rank exits early
+    return out
