@@ -149,8 +149,9 @@ class TensorParallelBlock(nn.Module):
 
     Attention: Q, K, V fused column-parallel (rank r owns heads [r H/p, (r+1) H/p)), O
     row-parallel. MLP: up column-parallel, GeLU on the local 4h/p slice, down row-parallel.
-    LayerNorms and the residual stream replicated (their gradients come out the same on every
-    rank). Parameters ln1, ln2, qkv, o, up, down. f enters each region and g leaves it
+    LayerNorms (copies of dense's: no parameter is shared with `dense`) and the residual
+    stream replicated (their gradients come out the same on every rank). Parameters ln1, ln2,
+    qkv, o, up, down. f enters each region and g leaves it
     (`enter`, `leave`: pass them to every parallel linear): 2 all-reduces of s b h forward, 2
     backward. Attributes heads (this rank's H/p) and tp. Heads not divisible by p: ValueError
     "... must be divisible ..." naming both numbers, before anything is built.

@@ -137,6 +137,7 @@ class TestParallelLinears(RankResults):
                           "weight (out/p, in), bias (out/p,)")
         self.assert_exact("column_out_gap", "column_grad_gap")
         self.assert_equal("column_enter_calls", 1, "forward calls enter(x, weight, bias, tp) once")
+        self.assert_equal("column_enter_got_tp", True, "forward passes the layer's tp to enter")
         self.assert_equal("column_copies", True, "the shard is a copy, not the dense weight")
 
     def test_fused_qkv_keeps_each_layers_slice(self):
@@ -175,6 +176,8 @@ class TestBlock(RankResults):
         names = sorted(f"{layer}.{kind}" for layer in ("ln1", "ln2", "qkv", "o", "up", "down")
                        for kind in ("weight", "bias"))
         self.assert_equal("parameters", names, "parameters ln1, ln2, qkv, o, up, down")
+        self.assert_equal("shared_with_dense", [], "the block's parameters that share storage with "
+                          "the dense block it was built from (the LayerNorms must be copies)")
         self.assert_equal("forward_reduces", 2, "one g per region (attention, MLP) forward")
         self.assert_equal("backward_copies", 2, "one f per region (attention, MLP) backward")
 

@@ -16,6 +16,7 @@ fails there). Its result is under "subgroup" (None on rank 0).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from unittest import mock
 
@@ -23,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from lessons._launch import phase
 
 M = importlib.import_module("lessons.04_tensor_parallel.main")
 C = importlib.import_module("lessons.04_tensor_parallel.checks")
@@ -58,8 +61,11 @@ SUBGROUP = [1, 2]  # the tensor-parallel group that is not the world, in a world
 def on_every_group(ctx, body) -> dict:
     """`body(tp)` on the default group (counted rings), and on 3 ranks again on the group
     {1, 2} over torch's collectives (rank 0 idle): {**world result, "subgroup": ...}."""
+    name = getattr(body, "__name__", None) or getattr(getattr(body, "func", None), "__name__", "the exercise")
+    phase(f"{name} on the default group of {ctx.world_size} (lesson 01's rings)")
     out = body(M.TensorParallelGroup.join())
     if ctx.world_size == 3:
+        phase(f"{name} on the tensor-parallel group {{1, 2}} of 3 (torch's collectives)")
         group = dist.new_group(SUBGROUP)  # every rank takes part in creating it
         out["subgroup"] = body(M.TensorParallelGroup.join(group)) if ctx.rank in SUBGROUP else None
         dist.barrier()  # rank 0 waits for the group's work, so no rank exits early
@@ -172,11 +178,19 @@ def oracle_enter(x, weight, bias, tp):
 
 
 class OracleColumn(nn.Module):
-    def __init__(self, dense, tp, enter=oracle_enter):
+    """A column-parallel layer on torch's collectives. No default `enter`: the block under test
+    must pass its own to every column-parallel layer."""
+
+    def __init__(self, dense, tp, enter=None):
         super().__init__()
+        if enter is None:
+            raise AssertionError("TensorParallelBlock built a column-parallel layer without passing "
+                                 "its `enter` (ColumnParallelLinear(dense, tp, enter))")
         layers = [dense] if isinstance(dense, nn.Linear) else list(dense)
-        self.weight = nn.Parameter(torch.cat([one.weight.detach().chunk(tp.size)[tp.rank] for one in layers]))
-        self.bias = nn.Parameter(torch.cat([one.bias.detach().chunk(tp.size)[tp.rank] for one in layers]))
+        self.weight = nn.Parameter(torch.cat([one.weight.detach().chunk(tp.size)[tp.rank]
+                                              for one in layers]).clone())
+        self.bias = nn.Parameter(torch.cat([one.bias.detach().chunk(tp.size)[tp.rank]
+                                            for one in layers]).clone())
         self.tp, self.enter = tp, enter
 
     def forward(self, x):
@@ -184,8 +198,14 @@ class OracleColumn(nn.Module):
 
 
 class OracleRow(nn.Module):
-    def __init__(self, dense, tp, leave=OracleReduce):
+    """A row-parallel layer on torch's collectives. No default `leave`: the block under test
+    must pass its own to every row-parallel layer."""
+
+    def __init__(self, dense, tp, leave=None):
         super().__init__()
+        if leave is None:
+            raise AssertionError("TensorParallelBlock built a row-parallel layer without passing "
+                                 "its `leave` (RowParallelLinear(dense, tp, leave))")
         self.weight = nn.Parameter(dense.weight.detach().chunk(tp.size, dim=1)[tp.rank].clone())
         self.bias = nn.Parameter(dense.bias.detach().clone())
         self.tp, self.leave = tp, leave
@@ -213,13 +233,14 @@ def parallel_linears_body(tp) -> dict:
 
     def plain_enter(x_in, weight, bias, group):  # no f: the input gradient is not graded here
         out["enter_calls"] += 1
+        out["enter_got_tp"] = group is tp
         return F.linear(x_in, weight, bias)
 
     # column-parallel: rows [r 24/p, (r+1) 24/p) of the output features
     column = M.ColumnParallelLinear(column_dense, tp, plain_enter)
     features = slice(r * 24 // p, (r + 1) * 24 // p)
     y = column(x)
-    out["column_enter_calls"] = out["enter_calls"]
+    out["column_enter_calls"], out["column_enter_got_tp"] = out["enter_calls"], out.pop("enter_got_tp")
     backward(y, dy[..., features])
     backward(column_dense(x), dy)
     out["column_shapes"] = [tuple(column.weight.shape), tuple(column.bias.shape)]
@@ -264,18 +285,23 @@ def parallel_linears_body(tp) -> dict:
 
 
 def tp_block(ctx, seq: int, batch: int, hidden: int, heads: int) -> dict:
-    return on_every_group(ctx, lambda tp: tp_block_body(tp, seq, batch, hidden, heads))
+    return on_every_group(ctx, functools.partial(tp_block_body, seq=seq, batch=batch, hidden=hidden,
+                                                 heads=heads))
 
 
-def tp_block_body(tp, seq: int, batch: int, hidden: int, heads: int) -> dict:
+def tp_block_body(tp, *, seq: int, batch: int, hidden: int, heads: int) -> dict:
     """The block built on oracle layers, f and g (torch's all_reduce), against the dense block:
     output, every gradient, the input gradient, and one f and one g per region."""
     x = C.block_input(3, seq, batch, hidden, "cpu")
     y_ref, grads_ref = C.dense_reference(3, hidden, heads, x)
     OracleReduce.calls = OracleCopy.calls = 0
+    dense = C.make_dense(3, hidden, heads)
     with mock.patch.object(M, "ColumnParallelLinear", OracleColumn), \
             mock.patch.object(M, "RowParallelLinear", OracleRow):
-        block = M.TensorParallelBlock(C.make_dense(3, hidden, heads), tp, oracle_enter, OracleReduce)
+        block = M.TensorParallelBlock(dense, tp, oracle_enter, OracleReduce)
+    dense_storages = {p.untyped_storage().data_ptr() for p in dense.parameters()}
+    shared = sorted(name for name, p in block.named_parameters()
+                    if p.untyped_storage().data_ptr() in dense_storages)
     local_x = x.clone().requires_grad_()
     y = block(local_x)
     reduces = OracleReduce.calls
@@ -285,6 +311,7 @@ def tp_block_body(tp, seq: int, batch: int, hidden: int, heads: int) -> dict:
             "grad_gaps": {name: gap(grads.get(name), grads_ref[name]) for name in grads_ref
                           if name != "input"},
             "parameters": sorted(name for name, _ in block.named_parameters()),
+            "shared_with_dense": shared,
             "forward_reduces": reduces, "backward_copies": OracleCopy.calls}
 
 
