@@ -190,6 +190,12 @@ class TestSimulatorByHand(unittest.TestCase):
             [("F", 0, 0, 1, 2), ("B", 0, 0, 4, 5), ("W", 0, 0, 5, 6)],
             [("F", 0, 0, 2, 3), ("B", 0, 0, 3, 4), ("W", 0, 0, 4, 5)]], "F B W, p = 3")
 
+    def test_split_backward_with_chunks(self):
+        """One device, two chunks, F = B = W = 1 per stage: every op takes 1/v = 0.5, W too."""
+        self.assert_rows(M.simulate([ops("F0.0 F0.1 B0.1 W0.1 B0.0 W0.0")], 2, 1.0, 1.0, 1.0), [
+            [("F", 0, 0, 0, 0.5), ("F", 0, 1, 0.5, 1), ("B", 0, 1, 1, 1.5), ("W", 0, 1, 1.5, 2),
+             ("B", 0, 0, 2, 2.5), ("W", 0, 0, 2.5, 3)]], "F B W, one device, 2 chunks")
+
     def test_deadlock_is_detected(self):
         for orders, what in (([ops("F0 B0"), ops("B0 F0")], "B0 before F0 on the last stage"),
                              ([ops("F0 B0 F1 B1"), ops("F1 F0 B0 B1")], "a cycle through both devices"),
