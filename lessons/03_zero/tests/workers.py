@@ -65,7 +65,8 @@ def members(group) -> list[int]:
 
 def label(ctx, group) -> str:
     """Names the configuration in every message: "rank 2 (world of 3)", "rank 2 (group [0, 2])"."""
-    return f"rank {ctx.rank} ({'world of ' + str(ctx.world_size) if group is None else 'group ' + str(members(group))})"
+    where = f"world of {ctx.world_size}" if group is None else f"group {members(group)}"
+    return f"rank {ctx.rank} ({where})"
 
 
 # ============================================================================ the other exercises
@@ -210,6 +211,16 @@ def trajectory(ctx, stage: int, group=None, max_norm: float | None = None,
     return result
 
 
+def over_groups(ctx, groups: dict, text: str, piece) -> dict:
+    """`piece(ctx, group)` over the world and over the group; per check, the first problem."""
+    result = {}
+    for config, group in groups.items():
+        phase(f"{text} over the {config}")
+        for key, problem in piece(ctx, group).items():
+            result[key] = result.get(key) or problem
+    return result
+
+
 def named_parameters(rank: int) -> list[tuple[str, nn.Parameter]]:
     """The parameters the zero1-step pieces are tested on: uneven (20 elements over 3 or 2
     ranks), tiny (2 elements: an empty shard at 3 ranks), one whose gradient is missing on
@@ -279,7 +290,8 @@ def zero1_pieces(ctx, group) -> dict:
         zero.reduce_scatter_gradients()
         for i, ((name, param), shard) in enumerate(zip(zero.named, zero.shards)):
             start, end = given_shard_bounds(param.numel(), world, rank)
-            averages = [average_gradient(ctx, group, name, i, param.shape, s) for s in (1000, 5000)[:round_ + 1]]
+            averages = [average_gradient(ctx, group, name, i, param.shape, s)
+                        for s in (1000, 5000)[:round_ + 1]]
             expected = None if averages[0] is None else sum(averages).reshape(-1)[start:end]
             what = f"{where}: {name} shard.grad after {round_ + 1} reduce_scatter_gradients"
             problems.append(mismatch(what, shard.grad, expected, mistakes={
@@ -295,7 +307,7 @@ def zero1_pieces(ctx, group) -> dict:
     problems = []
     before = zero.traffic.bytes_sent
     with torch.no_grad():
-        for i, ((name, param), shard) in enumerate(zip(zero.named, zero.shards)):
+        for i, ((_, param), shard) in enumerate(zip(zero.named, zero.shards)):
             start, end = given_shard_bounds(param.numel(), world, rank)
             if shard.grad is not None:
                 shard.copy_(values(2000 + 10 * i + ctx.rank, param.numel())[start:end])
@@ -404,14 +416,12 @@ def zero1_step(ctx, groups: dict) -> dict:
     """Exercise zero1-step on this rank (clipping given)."""
     result = {}
     with mock.patch.object(M, "sharded_clip_grad_norm_", given_sharded_clip):
-        for config, group in groups.items():
-            phase(f"zero1-step pieces over the {config}")
-            for key, problem in zero1_pieces(ctx, group).items():
-                result[key] = result.get(key) or problem
+        result.update(over_groups(ctx, groups, "zero1-step pieces", zero1_pieces))
         phase("zero1-step training")
         result.update(trajectory(ctx, 1))
         for optimizer in ("adamw", "sgd"):
-            result["optimizers"] = result.get("optimizers") or trajectory(ctx, 1, optimizer=optimizer)["trajectory"]
+            problem = trajectory(ctx, 1, optimizer=optimizer)["trajectory"]
+            result["optimizers"] = result.get("optimizers") or problem
         result["subgroup_trajectory"] = trajectory(ctx, 1, groups["group"])["trajectory"]
         phase("zero1-step under a GradScaler")
         # an inconsistent skip would leave ranks in different collectives (a hang): run the
@@ -467,7 +477,7 @@ def zero2_backward(ctx, group) -> dict:
             px, py = branches_batch(r, micro)
             F.mse_loss(plain(px, r), py).backward()  # accumulates: the oracle of the sum
         problems = []
-        for i, ((name, param), shard) in enumerate(zip(zero.named, zero.shards)):
+        for (name, param), shard in zip(zero.named, zero.shards):
             grads = [dict(plain.named_parameters())[name].grad for plain in plains.values()]
             start, end = given_shard_bounds(param.numel(), world, rank)
             expected = None if all(g is None for g in grads) else \
@@ -492,10 +502,7 @@ def zero2_hook(ctx, groups: dict) -> dict:
     """Exercise zero2-hook on this rank (ZeRO-1's pieces and clipping given)."""
     result = {}
     with other_exercises_given():
-        for config, group in groups.items():
-            phase(f"zero2-hook backward over the {config}")
-            for key, problem in zero2_backward(ctx, group).items():
-                result[key] = result.get(key) or problem
+        result.update(over_groups(ctx, groups, "zero2-hook backward", zero2_backward))
         phase("zero2-hook training")
         result.update(trajectory(ctx, 2))
         result["subgroup_trajectory"] = trajectory(ctx, 2, groups["group"])["trajectory"]
@@ -558,7 +565,7 @@ def zero3_backward(ctx, group) -> dict:
         F.mse_loss(plain(data_parallel.local_shard(full_x, j, world)),
                    data_parallel.local_shard(full_y, j, world)).backward()
     problems = []
-    for i, (name, shard) in enumerate(zero.named):
+    for name, shard in zero.named:
         average = sum(dict(p.named_parameters())[name].grad for p in plains.values()) / world
         start, end = given_shard_bounds(average.numel(), world, rank)
         problems.append(mismatch(f"{where}: {name} shard.grad", shard.grad,
@@ -610,8 +617,8 @@ def zero3_mixed_precision(ctx) -> str:
             problems.append(f"{where}: {name} shard.grad: expected float32 (the shard's dtype), got "
                             f"{None if got is None else got.dtype}")
             continue
-        excess = ((got.double() - average.reshape(-1)[start:end]).abs() - bound.reshape(-1)[start:end]).max() \
-            if got.numel() else torch.tensor(-1.0)
+        gap = (got.double() - average.reshape(-1)[start:end]).abs()
+        excess = (gap - bound.reshape(-1)[start:end]).max() if got.numel() else torch.tensor(-1.0)
         problems.append("" if excess <= 0 else
                         f"{where}: {name} shard.grad under bf16/float32 mixed precision leaves the "
                         f"average of the ranks' bf16 gradients by {excess.item():.2e} beyond the "
@@ -679,10 +686,7 @@ def zero3_hooks(ctx, groups: dict) -> dict:
     """Exercise zero3-hooks on this rank (ZeRO-1's pieces and clipping given)."""
     result = {}
     with other_exercises_given():
-        for config, group in groups.items():
-            phase(f"zero3-hooks forward and backward over the {config}")
-            for key, problem in zero3_backward(ctx, group).items():
-                result[key] = result.get(key) or problem
+        result.update(over_groups(ctx, groups, "zero3-hooks forward and backward", zero3_backward))
         phase("zero3-hooks mixed precision")
         result["mixed_precision"] = zero3_mixed_precision(ctx)
         phase("zero3-hooks training")
@@ -750,9 +754,9 @@ def sharded_clip(ctx, groups: dict) -> dict:
     result = {"clips": "", "float32": "", "leaves_small_alone": ""}
     for config, group in groups.items():
         phase(f"sharded-clip over the {config}")
-        result["clips"] = result["clips"] or clip_case(ctx, group, torch.float64, 0.5)
-        result["leaves_small_alone"] = result["leaves_small_alone"] or clip_case(ctx, group, torch.float64, 3.0)
-        result["float32"] = result["float32"] or clip_case(ctx, group, torch.float32, 0.25)
+        for key, dtype, fraction in (("clips", torch.float64, 0.5), ("float32", torch.float32, 0.25),
+                                     ("leaves_small_alone", torch.float64, 3.0)):
+            result[key] = result[key] or clip_case(ctx, group, dtype, fraction)
     with other_exercises_given(clip=False):
         phase("sharded-clip training")
         max_norm = C.CLIP_FRACTION * C.train_single_process(0, 1, BATCH)["norms"][0]
@@ -881,7 +885,8 @@ def contract_checks(ctx) -> dict:
         one_opt.zero_grad()
         one_scaler.scale(F.mse_loss(one(gx), gy)).backward()
         if step == 2:
-            one.fc1.weight.grad.view(-1)[given_shard_bounds(one.fc1.weight.numel(), WORLD, 1)[0]] = float("inf")
+            rank_1_start = given_shard_bounds(one.fc1.weight.numel(), WORLD, 1)[0]
+            one.fc1.weight.grad.view(-1)[rank_1_start] = float("inf")  # rank 1's first element
         one_scaler.step(one_opt)
         one_scaler.update()
     full = torch.cat([t.reshape(-1) for t in model.zero3.full_state_dict().values()])
