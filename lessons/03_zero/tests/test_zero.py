@@ -227,32 +227,31 @@ class TestDocNumbers(unittest.TestCase):
 
     def test_paper_example(self):
         for text in ("120 GB", "31.4 GB", "16.6 GB", "1.9 GB", "120.00, 31.41, 16.64, 1.88"):
-            self.assertIn(text, README)
+            self.assertTrue(text in README, f"README: expected the paper's figure {text!r}, not found")
 
     def test_exercise_one_70b_in_80_gb(self):
         psi, budget = 70e9, 80e9
         for floor in (4 * psi, 2 * psi):  # ZeRO-1 and ZeRO-2 keep these, never divided by N
-            self.assertGreater(floor, budget)
-            self.assertIn(f"{floor / 1e9:.0f} GB", README)
+            self.assertGreater(floor, budget, "the floor that never shrinks exceeds 80 GB")
+            self.assertTrue(f"{floor / 1e9:.0f} GB" in README,
+                            f"README: expected {floor / 1e9:.0f} GB (the floor), not found")
         smallest = next(n for n in range(1, 1000) if M.zero_bytes_per_device("zero3", psi, n) <= budget)
-        self.assertIn(f"N_d = {smallest}", README)
+        self.assertTrue(f"N_d = {smallest}" in README, f"README: expected N_d = {smallest}, not found")
 
     def test_readme_model_numbers(self):
         model = C.data_parallel.make_model(0, **C.SIZES)
         numels = [p.numel() for p in model.parameters()]
         psi = sum(numels)
-        self.assertIn(f"Psi = {psi:,}", README)
         shard = sum(b - a for a, b in (M.shard_bounds(n, 4, 0) for n in numels))
-        self.assertIn(f"Psi_r = {shard}", README)
         dp = M.expected_bytes_sent(1, numels, 8, 4, 0)
         z3 = M.expected_bytes_sent(3, numels, 8, 4, 0)
-        self.assertIn(f"{dp:,} for plain DP", README)
-        self.assertIn(f"{z3:,} for ZeRO-3", README)
-        self.assertEqual(z3 / dp, 1.5)
-        self.assertIn(f"{round(2 * 3 / 4 * psi * 8):,} would be the ideal", README)
-        for stage in (0, 1, 2, 3):
-            for value in C.expected_live_bytes(stage, psi, shard, 8).values():
-                self.assertIn(f"{value:,} B", README)
+        self.assertEqual(z3 / dp, 1.5, f"ZeRO-3 / DP bytes at 4 ranks: expected 1.5, got {z3 / dp}")
+        quoted = [f"Psi = {psi:,}", f"Psi_r = {shard}", f"{dp:,} for plain DP", f"{z3:,} for ZeRO-3",
+                  f"{round(2 * 3 / 4 * psi * 8):,} would be the ideal"]
+        quoted += [f"{value:,} B" for stage in (0, 1, 2, 3)
+                   for value in C.expected_live_bytes(stage, psi, shard, 8).values()]
+        missing = [text for text in quoted if text not in README]
+        self.assertEqual(missing, [], "README: the model's numbers (computed here) not found")
 
 
 class TestHarness(unittest.TestCase):
@@ -342,10 +341,11 @@ class TestCommandLine(unittest.TestCase):
             with contextlib.redirect_stdout(io.StringIO()):
                 code = C.main(["--memory", "--params", "70e9", "--dp", "512", "--json", str(path)])
             data = json.loads(path.read_text())
-        self.assertEqual(code, 0)
-        self.assertAlmostEqual(data["metrics"]["zero3_gb"], 16 * 70e9 / 512 / 1e9)
-        self.assertLessEqual({"baseline_gb", "zero1_gb", "zero2_gb", "zero3_gb"},
-                             set(data["metrics"]))
+        self.assertEqual(code, 0, "--memory: expected exit code 0")
+        self.assertAlmostEqual(data["metrics"]["zero3_gb"], 16 * 70e9 / 512 / 1e9,
+                               msg="--memory --params 70e9 --dp 512: zero3_gb = 16 Psi / N / 1e9")
+        missing = {"baseline_gb", "zero1_gb", "zero2_gb", "zero3_gb"} - set(data["metrics"])
+        self.assertEqual(missing, set(), "--memory --json: metrics missing")
 
     def test_bad_arguments_exit_2(self):
         for argv, fragment in [(["--batch", "10", "--world-size", "4"], "not divisible"),
