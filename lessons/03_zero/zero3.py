@@ -85,7 +85,9 @@ class ZeroStage3:
     """ZeRO-3 (P_os+g+p): ZeroStage3(module, *, group=None, mp_policy=None) shards `module`
     over `group` in place, as FSDP2's fully_shard(module, mp_policy=...) does.
 
-    Each distinct parameter (a tied weight once) becomes its shard: nn.Parameter of this
+    Every rank starts from group rank 0's parameter values (broadcast at construction; buffers
+    are left as they are, as FSDP2 leaves them). Each distinct parameter (a tied weight once)
+    becomes its shard: nn.Parameter of this
     rank's shard_bounds slice of the flattened parameter, in the parameter's own dtype (the
     fp32 master weights), registered in the modules under the original names, so that
     `module.parameters()` / `named_parameters()` / `state_dict()` return the shards and a
