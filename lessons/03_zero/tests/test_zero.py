@@ -170,10 +170,10 @@ class TestZero2Hook(ExerciseCase):
     exercise_id = "zero2-hook"
 
     def test_1_the_hook_reduce_scatters_each_gradient_during_backward(self):
-        self.assert_holds("backward0", "sent0")
+        self.assert_holds("during0", "backward0", "sent0")
 
     def test_2_micro_batches_accumulate_in_the_shard(self):
-        self.assert_holds("backward1", "sent1")
+        self.assert_holds("during1", "backward1", "sent1")
 
     def test_3_no_full_gradient_survives_backward(self):
         self.assert_holds("freed0", "freed1", "memory")

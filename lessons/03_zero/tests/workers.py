@@ -223,11 +223,12 @@ def over_groups(ctx, groups: dict, text: str, piece) -> dict:
 
 def named_parameters(rank: int) -> list[tuple[str, nn.Parameter]]:
     """The parameters the zero1-step pieces are tested on: uneven (20 elements over 3 or 2
-    ranks), tiny (2 elements: an empty shard at 3 ranks), one whose gradient is missing on
-    rank 2 only (unused there), one frozen (never a gradient)."""
+    ranks), one frozen (never a gradient; not last, so that every parameter after it must be
+    handled too), tiny (2 elements: an empty shard at 3 ranks), one whose gradient is missing
+    on rank 2 only (unused there)."""
     return [(name, nn.Parameter(values(50 + rank + 7 * i, shape), requires_grad=name != "frozen"))
-            for i, (name, shape) in enumerate((("weight", (4, 5)), ("bias", (2,)),
-                                                ("unused_on_rank_2", (7,)), ("frozen", (3,))))]
+            for i, (name, shape) in enumerate((("weight", (4, 5)), ("frozen", (3,)), ("bias", (2,)),
+                                                ("unused_on_rank_2", (7,))))]
 
 
 def set_gradients(ctx, named, seed: int) -> None:
@@ -450,10 +451,12 @@ class Branches(nn.Module):
         self.frozen.requires_grad_(False)
         self.double()
 
-    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rank: int, probe=None) -> torch.Tensor:
         h = self.b(x) + self.a(x) if rank == 1 else self.a(x) + self.b(x)
         if rank != 1:
             h = h + self.spare(x)
+        if probe is not None:  # runs in backward once the head's gradients are complete
+            h.register_hook(lambda grad: probe())
         return self.head(F.relu(self.frozen(h)))
 
 
@@ -469,10 +472,27 @@ def zero2_backward(ctx, group) -> dict:
     zero = M.ZeroStage2(model.named_parameters(), torch.optim.SGD, group=group, lr=0.1)
     plains = {r: Branches(members(group)[0]) for r in members(group)}  # group rank 0's weights
     result = {}
+    head = [index for index, (name, _) in enumerate(zero.named) if name.startswith("head.")]
     for micro in range(2):
         before = zero.traffic.bytes_sent
+        seen = {}
+
+        def probe():  # mid-backward: the head's gradients come first in `order`
+            seen["sent"] = zero.traffic.bytes_sent - before
+            seen["held"] = [zero.named[i][0] for i in head if zero.named[i][1].grad is not None]
+
         x, y = branches_batch(ctx.rank, micro)
-        F.mse_loss(model(x, ctx.rank), y).backward()
+        F.mse_loss(model(x, ctx.rank, probe), y).backward()
+        early = sum(collectives.ring_bytes_sent(zero.named[i][1].numel(), ITEMSIZE, world, rank)[
+            "reduce_scatter"] for i in head)
+        result[f"during{micro}"] = first([
+            "" if not seen.get("held") else
+            f"{where}: backward {micro + 1} reached the frozen layer with the head's full gradients "
+            f"{seen['held']} still held: expected them reduce-scattered and freed as soon as ready "
+            f"(they are first in `order`)",
+            "" if group is not None or seen.get("sent", 0) >= early else
+            f"{where}: backward {micro + 1} reached the frozen layer having sent {seen.get('sent')} B, "
+            f"expected at least {early} B (the head's reduce-scatters, first in `order`)"])
         for r, plain in plains.items():
             px, py = branches_batch(r, micro)
             F.mse_loss(plain(px, r), py).backward()  # accumulates: the oracle of the sum
