@@ -477,7 +477,7 @@ def zero2_backward(ctx, group) -> dict:
         before = zero.traffic.bytes_sent
         seen = {}
 
-        def probe():  # mid-backward: the head's gradients come first in `order`
+        def probe(seen=seen, before=before):  # mid-backward: the head comes first in `order`
             seen["sent"] = zero.traffic.bytes_sent - before
             seen["held"] = [zero.named[i][0] for i in head if zero.named[i][1].grad is not None]
 
