@@ -602,6 +602,100 @@ def zero3_backward(ctx, group) -> dict:
     return result
 
 
+class Sliced(nn.Module):
+    """A unit whose forward uses a slice of its weight (autograd saves a view at an offset) and
+    returns (output, None), as attention layers return (output, weights)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return F.linear(x, self.weight[1:]), None
+
+
+class Quirks(nn.Module):
+    """A trainable layer, then a frozen one applied twice (its weight saved twice, regathered
+    for backward, never reduced), a `Sliced` unit, a head: (B, 4) -> (B, 2)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.first, self.frozen = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+        self.frozen.requires_grad_(False)
+        self.sliced, self.head = Sliced(), nn.Linear(4, 2).double()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.frozen(F.relu(self.frozen(F.relu(self.first(x))))))
+        return self.head(F.relu(self.sliced(h)[0]))
+
+
+def zero3_quirks(ctx, group) -> dict:
+    """`Quirks` under ZeroStage3 over `group` against plain models (one per member): the loss,
+    the shard gradients, nothing left regathered after backward (the frozen weight's copy goes
+    with its last recipe); then an evaluation forward under torch.no_grad equals the plain one."""
+    where, rank, world = label(ctx, group), dist.get_rank(group), dist.get_world_size(group)
+    model, plain = Quirks(ctx.rank), Quirks(members(group)[0])
+    zero = Z3.ZeroStage3(model, group=group)
+    xs = {r: values(600 + r, (3, 4)) for r in members(group)}
+    loss = model(xs[ctx.rank]).pow(2).mean()
+    problems = [mismatch(f"{where}: Quirks' loss", loss, plain(xs[ctx.rank]).pow(2).mean())]
+    loss.backward()
+    for x in xs.values():
+        plain(x).pow(2).mean().backward()
+    for name, shard in zero.named:
+        grad = dict(plain.named_parameters())[name].grad
+        start, end = given_shard_bounds(dict(plain.named_parameters())[name].numel(), world, rank)
+        problems.append(mismatch(f"{where}: Quirks' {name} shard.grad", shard.grad,
+                                 None if grad is None else (grad / world).reshape(-1)[start:end]))
+    left = [zero.named[index][0] for index in zero.regathered]
+    problems.append("" if not left else
+                    f"{where}: Quirks (a frozen layer used twice, a sliced weight): after backward "
+                    f"expected nothing regathered, got {left}")
+    with torch.no_grad():
+        try:
+            out = model(xs[ctx.rank])
+            problems.append(mismatch(f"{where}: Quirks under torch.no_grad", out, plain(xs[ctx.rank])))
+        except RuntimeError as exc:
+            problems.append(f"{where}: a forward under torch.no_grad (no output requires grad) "
+                            f"must run, got RuntimeError: {exc}")
+    problems.append("" if not zero.saved_tensor_hooks else
+                    f"{where}: expected no saved-tensor hooks left entered, got "
+                    f"{len(zero.saved_tensor_hooks)}")
+    return {"quirks": first(problems)}
+
+
+class CastInside(nn.Module):
+    """A unit that records the dtype of the input it receives and casts it to its weight's."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(2, 3))
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.dtype)
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+def zero3_input_casts(ctx) -> str:
+    """cast_forward_inputs: with param_dtype bf16, a unit receives bf16 inputs when it is True
+    (the default) and its float32 inputs unchanged when it is False."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    problems = []
+    for cast, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        unit = CastInside()
+        Z3.ZeroStage3(unit, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                           cast_forward_inputs=cast))
+        unit(torch.ones(4, 3))
+        problems.append("" if unit.seen == [expected] else
+                        f"{label(ctx, None)}: MixedPrecisionPolicy(param_dtype=bf16, "
+                        f"cast_forward_inputs={cast}): the unit's input dtype: expected "
+                        f"{expected}, got {unit.seen}")
+    return first(problems)
+
+
 def zero3_mixed_precision(ctx) -> str:
     """MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32, output_dtype=float32) over
     the world: float32 shards, bf16 gathers (2 bytes per element sent), a float32
@@ -707,8 +801,9 @@ def zero3_hooks(ctx, groups: dict) -> dict:
     result = {}
     with other_exercises_given():
         result.update(over_groups(ctx, groups, "zero3-hooks forward and backward", zero3_backward))
+        result.update(over_groups(ctx, groups, "zero3-hooks frozen, sliced, no_grad", zero3_quirks))
         phase("zero3-hooks mixed precision")
-        result["mixed_precision"] = zero3_mixed_precision(ctx)
+        result["mixed_precision"] = first([zero3_mixed_precision(ctx), zero3_input_casts(ctx)])
         phase("zero3-hooks training")
         result.update(trajectory(ctx, 3))
         result["subgroup_trajectory"] = trajectory(ctx, 3, groups["group"])["trajectory"]
@@ -722,14 +817,17 @@ def zero3_hooks(ctx, groups: dict) -> dict:
 SHAPES = [(4, 3), (3,), (5,), (1,), (2,)]  # on 3 ranks: uneven shards, some empty
 
 
-def clip_case(ctx, group, dtype: torch.dtype, fraction: float) -> str:
+def clip_case(ctx, group, dtype: torch.dtype, fraction: float, shapes=None) -> str:
     """Clip this rank's shards of a known gradient over `group` with max_norm = fraction x
     ||g||; compare the norm and the shards with torch.nn.utils.clip_grad_norm_ on the whole
     gradient. Each member's gradient differs (rank r's is scaled by 1 + r), so a norm summed
     over the wrong ranks is caught. float32 accepts float32 or float64 sums (the docstring
-    allows either): 1e-5 relative; float64 must sum in float64: EXACT."""
+    allows either): 1e-5 relative; bfloat16 must sum in float32 or wider (the norm at 1e-5
+    relative of the float64 norm of its values; the clipped shards within 2^-7 relative: one
+    rounding of c and one of the product to bf16); float64 must sum in float64: EXACT.
+    `shapes`: the gradient's tensors (SHAPES by default; one tensor: a single shard)."""
     where, rank, world = label(ctx, group), dist.get_rank(group), dist.get_world_size(group)
-    full = [values(300 + i, shape).to(dtype) for i, shape in enumerate(SHAPES)]
+    full = [values(300 + i, shape).to(dtype) for i, shape in enumerate(shapes or SHAPES)]
     params = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
     # the group's gradient: each element owned by one member, rows that differ per member
     owner_scale = [1.0 + r for r in members(group)]
@@ -744,7 +842,7 @@ def clip_case(ctx, group, dtype: torch.dtype, fraction: float) -> str:
         param.grad = grad.clone()
     total = torch.nn.utils.get_total_norm([g.double() for g in whole]).item()
     max_norm = fraction * total
-    reference = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    torch.nn.utils.clip_grad_norm_(params, max_norm)  # the reference: clips params' gradients
     bounds = [given_shard_bounds(g.numel(), world, rank) for g in whole]
     shards = [g.reshape(-1)[start:end].clone() for g, (start, end) in zip(whole, bounds)]
     objects = list(shards)
@@ -760,10 +858,18 @@ def clip_case(ctx, group, dtype: torch.dtype, fraction: float) -> str:
                                    "group's ranks)": None if own is None else torch.tensor(own)}),
                 "" if all(a is b for a, b in zip(shards, objects)) else
                 f"{what}: the list of shards was replaced (expected clipping in place)"]
-    for index, (shard, param, (start, end)) in enumerate(zip(objects, params, bounds)):
-        problems.append(mismatch(f"{what}: shard {index} after clipping (torch: scale "
-                                 f"{min(1.0, max_norm / (reference.item() + 1e-6)):.4f})", shard,
-                                 param.grad.reshape(-1)[start:end], tolerance=tolerance))
+    scale = min(1.0, max_norm / (total + 1e-6))  # the exact factor, in float64
+    for index, (shard, param, g, (start, end)) in enumerate(zip(objects, params, whole, bounds)):
+        text = f"{what}: shard {index} after clipping (scale {scale:.4f})"
+        if dtype != torch.bfloat16:
+            problems.append(mismatch(text, shard, param.grad.reshape(-1)[start:end],
+                                     tolerance=tolerance))
+            continue
+        expected = g.double().reshape(-1)[start:end] * scale
+        excess = ((shard.double() - expected).abs() - 2 ** -7 * expected.abs()).max() \
+            if shard.numel() else torch.tensor(-1.0)
+        problems.append("" if excess <= 0 else f"{text}: off by {excess.item():.2e} beyond 2^-7 "
+                                               f"relative of the exactly clipped values")
     return first(problems)
 
 
@@ -775,8 +881,10 @@ def sharded_clip(ctx, groups: dict) -> dict:
     for config, group in groups.items():
         phase(f"sharded-clip over the {config}")
         for key, dtype, fraction in (("clips", torch.float64, 0.5), ("float32", torch.float32, 0.25),
+                                     ("float32", torch.bfloat16, 0.25),
                                      ("leaves_small_alone", torch.float64, 3.0)):
             result[key] = result[key] or clip_case(ctx, group, dtype, fraction)
+        result["clips"] = result["clips"] or clip_case(ctx, group, torch.float64, 0.5, SHAPES[:1])
     with other_exercises_given(clip=False):
         phase("sharded-clip training")
         max_norm = C.CLIP_FRACTION * C.train_single_process(0, 1, BATCH)["norms"][0]
