@@ -4,11 +4,11 @@ zig-zag, timed in one process (`python -m lessons.11_context_parallel.bench`).
 Rank r's compute in the ring is its queries against every key block it receives, tile by tile
 (`tiles(...)`, fully masked tiles skipped). Replaying exactly those tiles for every rank in one
 process times the compute alone: in a real ring every step also waits for the slowest rank,
-which hides who did the work. On CPU the clock is the thread's CPU time. Each rank's replay is timed `--repeats` times, the ranks and
-layouts taking turns (so a slow spell of the machine falls on all of them), and the median is
-kept. Beside it: one full tile and one diagonal (half-masked) tile timed alone, and the time
-they predict for each rank (full tiles x full + diagonal tiles x diagonal). Timings report;
-they never decide a check.
+which hides who did the work. On CPU the clock is the thread's CPU time. Each rank's replay is
+timed `--repeats` times, the ranks and layouts taking turns (so a slow spell of the machine
+falls on all of them), and the median is kept. Beside it: one full tile and one diagonal
+(half-masked) tile timed alone, and the time they predict for each rank (full tiles x full +
+diagonal tiles x diagonal). Timings report; they never decide a check.
 """
 
 from __future__ import annotations
@@ -61,6 +61,11 @@ def timed(run, device: str) -> float:
     return clock() - started
 
 
+def ratio(values: list[float]) -> float:
+    """max / mean: how much longer the slowest rank takes than the average one."""
+    return max(values) / statistics.mean(values)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq", type=int_in(2, 1 << 20), default=4096)
@@ -101,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         tiles = [t for t, _, _, _ in rows]
         print(f"{layout:10s} tiles {tiles}  ms {[round(m, 1) for m in ms]}  predicted "
               f"{[round(p, 1) for p in predicted]}  max/mean: measured "
-              f"{max(ms) / statistics.mean(ms):.2f}, predicted {max(predicted) / statistics.mean(predicted):.2f}, "
-              f"tiles {max(tiles) / statistics.mean(tiles):.2f}, FLOPs {max(work) / statistics.mean(work):.3f}")
+              f"{ratio(ms):.2f}, predicted {ratio(predicted):.2f}, tiles {ratio(tiles):.2f}, "
+              f"FLOPs {ratio(work):.3f}")
     return 0
 
 

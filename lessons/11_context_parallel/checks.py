@@ -2,10 +2,11 @@
 `F.scaled_dot_product_attention` on the whole sequence in one process.
 
 On every rank: build the same full q, k, v (float64), compute the reference output and its
-gradients with PyTorch, run this rank's shard through the context-parallel attention, gather
-the output and dQ, dK, dV back into sequence order and compare; count the exchange steps, the
-bytes sent and the tiles computed, each against its formula in main.py or
-ulysses.py. Then the CLI.
+gradients with PyTorch; check blockwise.py's `blockwise_attention` (out, lse, dQ, dK, dV) in
+float64, and in float32 and bf16 within stated bounds; run this rank's shard through the
+context-parallel attention, gather the output and dQ, dK, dV back into sequence order and
+compare; count the exchange steps, the bytes sent and the tiles computed, each against its
+formula in cost.py, main.py or ulysses.py. Then the CLI.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def precision_bound(dtype: torch.dtype, head_dim: int, keys: int, block_k: int) 
 def precision_gaps(dtype: torch.dtype, seed: int, causal: bool, shape=(2, 4, 67, 32),
                    blocks=(16, 24)) -> dict:
     """`blockwise_attention` and PyTorch's SDPA, both in `dtype`, against float64 SDPA on the
-    same rounded inputs: max |error| / (eps max |reference|) for out, dQ, dK, dV, and the bound."""
+    same rounded inputs: max |error| / (eps max |reference|) for out, dQ, dK, dV ("ours",
+    "sdpa"), the dtype each output came back in, and the bound."""
     generator = torch.Generator().manual_seed(seed)
     q, k, v, w = (torch.randn(*shape, generator=generator).to(dtype) for _ in range(4))
     ref_out, ref_grads = reference(*(t.double() for t in (q, k, v, w)), causal)
@@ -134,8 +136,8 @@ def precision_gaps(dtype: torch.dtype, seed: int, causal: bool, shape=(2, 4, 67,
         (out * w).sum().backward()
         gaps[name] = [max_abs_diff(a.double(), b) / (eps * b.abs().max().item())
                       for a, b in zip([out.detach(), *(t.grad for t in leaves)], [ref_out, *ref_grads])]
+        gaps[f"{name}_dtype"] = str(out.dtype).removeprefix("torch.")
     gaps["bound"] = precision_bound(dtype, shape[-1], shape[-2], blocks[1])
-    gaps["dtype_out"] = str(out.dtype).removeprefix("torch.")
     return gaps
 
 

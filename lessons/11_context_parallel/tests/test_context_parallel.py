@@ -147,7 +147,8 @@ class TestOneTile(unittest.TestCase):
             out, lse = BW.merge_partials(*args)
             with self.subTest(order=order):
                 self.assertLessEqual(gap(out[0, :, 0], torch.tensor(want_out, dtype=torch.float64)), 1e-12,
-                                     f"merge({order}): out rows expected {want_out}, got {out[0, :, 0].tolist()}")
+                                     f"merge({order}): out rows expected {want_out}, got "
+                                     f"{out[0, :, 0].tolist()}")
                 self.assertLessEqual(gap(lse[0], torch.tensor(want_lse, dtype=torch.float64)), 1e-12,
                                      f"merge({order}): lse rows expected {want_lse}, got {lse[0].tolist()}")
 
@@ -259,7 +260,8 @@ class TestBlockwiseAttention(unittest.TestCase):
         self.compare("scale=0.3", q, q.flip(-2), w, w, True, scale=0.3, block_q=4, block_k=3)
         self.compare("enable_gqa, 6 query heads on 2 K/V heads", q, k, v, w, True, enable_gqa=True,
                      block_q=2, block_k=5)
-        self.compare("one head, (L, E) inputs", q[0, 0], k[0, 0], v[0, 0], w[0, 0], True, block_q=4, block_k=4)
+        self.compare("one head, (L, E) inputs", q[0, 0], k[0, 0], v[0, 0], w[0, 0], True,
+                     block_q=4, block_k=4)
 
     def test_lse_is_returned_and_differentiable(self):
         """return_lse=True: lse == logsumexp of the scaled, masked scores (fp64 for fp64 inputs),
@@ -272,7 +274,8 @@ class TestBlockwiseAttention(unittest.TestCase):
             out, lse = BW.blockwise_attention(*ours, causal, block_q=4, block_k=2, return_lse=True)
             ref_out, ref_lse = reference_attention(*theirs, causal)
             config = f"causal={causal}, 9 x 9, blocks 4 x 2"
-            self.assertEqual(lse.dtype, torch.float64, f"{config}: lse dtype expected float64, got {lse.dtype}")
+            self.assertEqual(lse.dtype, torch.float64,
+                             f"{config}: lse dtype expected float64, got {lse.dtype}")
             self.assertLessEqual(gap(lse.detach(), ref_lse.detach()), C.TOLERANCE,
                                  f"{config}: lse max |diff| expected <= {C.TOLERANCE:g}, got "
                                  f"{gap(lse.detach(), ref_lse.detach()):.3g}")
@@ -292,7 +295,8 @@ class TestBlockwiseAttention(unittest.TestCase):
                          f"S = 0: expected zeros of shape (1, 2, 3, 4), got {out.tolist()}")
         self.assertTrue(bool(torch.isneginf(lse).all()), f"S = 0: lse expected -inf, got {lse.tolist()}")
         out = BW.blockwise_attention(empty, q, q, True)
-        self.assertEqual(tuple(out.shape), (1, 2, 0, 4), f"L = 0: shape expected (1, 2, 0, 4), got {tuple(out.shape)}")
+        self.assertEqual(tuple(out.shape), (1, 2, 0, 4),
+                         f"L = 0: shape expected (1, 2, 0, 4), got {tuple(out.shape)}")
 
     def test_float32_and_bf16(self):
         """Against float64 SDPA on the same rounded inputs: within checks.py's bounds, out in the
@@ -302,8 +306,8 @@ class TestBlockwiseAttention(unittest.TestCase):
             runs = {causal: C.precision_gaps(dtype, 0, causal) for causal in (False, True)}
             for causal, found in runs.items():
                 config = f"{dtype}, causal={causal}, (2, 4, 67, 32), blocks 16 x 24"
-                self.assertEqual(found["dtype_out"], str(dtype).removeprefix("torch."),
-                                 f"{config}: out dtype expected the inputs', got {found['dtype_out']}")
+                self.assertEqual(found["ours_dtype"], str(dtype).removeprefix("torch."),
+                                 f"{config}: out dtype expected the inputs', got {found['ours_dtype']}")
                 for name, value in zip(("out", "dQ", "dK", "dV"), found["ours"]):
                     self.assertLessEqual(value, found["bound"],
                                          f"{config}: {name} error expected <= {found['bound']:g} eps x "
@@ -347,8 +351,8 @@ class TestBlockwiseAttention(unittest.TestCase):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             BW.blockwise_attention(q, k, v, True, block_q=16, block_k=16)
         want = (4 * heads * seq * d + heads * seq) * 8 + 2 * seq * 8
-        self.assertEqual(sum(saved.values()), want, f"bytes saved for backward: expected {want} "
-                                                    f"(q, k, v, out, lse, positions), got {sum(saved.values())}")
+        self.assertEqual(sum(saved.values()), want, f"bytes saved for backward: expected {want} (q, k, "
+                                                    f"v, out, lse, positions), got {sum(saved.values())}")
 
     def test_lesson_07_tracker_sees_no_length_by_length_matrix(self):
         """Lesson 07's MemoryTracker on the forward: what stays alive is out, lse and the
@@ -367,7 +371,8 @@ class TestBlockwiseAttention(unittest.TestCase):
                 out = attend()
             peaks[name] = tracker.peak_bytes - 3 * heads * seq * d * 8
             if name == "blockwise":
-                kept, want = tracker.breakdown()["activation"], (heads * seq * d + heads * seq) * 8 + 2 * seq * 8
+                kept = tracker.breakdown()["activation"]
+                want = (heads * seq * d + heads * seq) * 8 + 2 * seq * 8
                 self.assertEqual(kept, want, f"bytes alive after the forward: expected {want} (out, lse, "
                                              f"positions), got {kept}")
             del out
@@ -410,15 +415,18 @@ class TestLayouts(unittest.TestCase):
         for args, want in cases.items():
             got = M.sequence_positions(*args)
             self.assertEqual((got.dtype, got.tolist()), (torch.int64, want),
-                             f"sequence_positions{args}: expected int64 {want}, got {got.dtype} {got.tolist()}")
+                             f"sequence_positions{args}: expected int64 {want}, got {got.dtype} "
+                             f"{got.tolist()}")
 
     def test_positions_cover_the_sequence_once(self):
         for cp in (1, 2, 3, 5):
             for layout in M.LAYOUTS:
                 seq = 2 * cp * 3
-                every = sorted(torch.cat([M.sequence_positions(seq, cp, r, layout) for r in range(cp)]).tolist())
+                held = [M.sequence_positions(seq, cp, r, layout) for r in range(cp)]
+                every = sorted(torch.cat(held).tolist())
                 self.assertEqual(every, list(range(seq)), f"cp = {cp}, {layout}, seq {seq}: the ranks' "
-                                                          f"positions expected 0..{seq - 1} once, got {every}")
+                                                          f"positions expected 0..{seq - 1} once, got "
+                                                          f"{every}")
 
     def test_sequence_not_divisible_is_refused(self):
         for seq, cp in ((10, 3), (9, 1), (20, 4)):
@@ -431,7 +439,8 @@ class TestLayouts(unittest.TestCase):
         for cp in (1, 2, 3, 4, 5, 8):
             for layout, causal, want in (("contiguous", True, [4 * r + 3 for r in range(cp)]),
                                          ("zigzag", True, [2 * cp + 1] * cp),
-                                         ("zigzag", False, [4 * cp] * cp), ("contiguous", False, [4 * cp] * cp)):
+                                         ("zigzag", False, [4 * cp] * cp),
+                                         ("contiguous", False, [4 * cp] * cp)):
                 got = M.tiles_per_rank(cp, layout, causal)
                 self.assertEqual(got, want, f"tiles_per_rank(cp={cp}, {layout}, causal={causal}): "
                                             f"expected {want}, got {got}")
@@ -465,7 +474,8 @@ class TestRingAttention(RankCase):
         for where, _, _, _, value in self.configs("ring/"):
             with self.subTest(where=where):
                 self.assert_ran(where, value)
-                want = M.ring_bytes_per_rank(SEQ, HEADS, HEAD_DIM, value["cp"], 8, value["kv_heads"])._asdict()
+                want = M.ring_bytes_per_rank(SEQ, HEADS, HEAD_DIM, value["cp"], 8,
+                                             value["kv_heads"])._asdict()
                 self.assertEqual(value["bytes"], want, f"{where}: bytes sent expected {want}, got "
                                                        f"{value['bytes']}")
 
@@ -494,7 +504,7 @@ class TestUlysses(RankCase):
         self.assert_exact("ulysses/gqa")
 
     def test_bytes_equal_the_formula(self):
-        for where, _, _, key, value in self.configs("ulysses/"):
+        for where, _, _, _, value in self.configs("ulysses/"):
             if value.get("engine") == "p2p":  # torch's all-to-all is not counted
                 with self.subTest(where=where):
                     self.assert_ran(where, value)
@@ -542,7 +552,8 @@ class TestWhole(RankCase):
         kept = {world: launch(C.activation_worker, world, ([16, 32],), device="cpu", timeout_s=60)
                 for world in (1, 2)}
         one = kept[1][0]
-        self.assertEqual(one[1], 2 * one[0], f"one process, seq 16 and 32: expected twice the bytes, got {one}")
+        self.assertEqual(one[1], 2 * one[0],
+                         f"one process, seq 16 and 32: expected twice the bytes, got {one}")
         for per_rank in kept[2]:
             self.assertEqual([2 * b for b in per_rank], one,
                              f"cp = 2: a rank's bytes x 2 expected {one}, got {[2 * b for b in per_rank]}")
@@ -551,9 +562,10 @@ class TestWhole(RankCase):
         for layout in M.LAYOUTS:
             rows = [B.rank_compute(32, 4, rank, layout, 1, 2) for rank in range(4)]
             tiles, diagonal = [r[0] for r in rows], [r[2] for r in rows]
-            self.assertEqual(tiles, M.tiles_per_rank(4, layout), f"{layout}: bench tiles expected "
-                                                                 f"{M.tiles_per_rank(4, layout)}, got {tiles}")
-            self.assertEqual(diagonal, [2] * 4, f"{layout}: diagonal tiles per rank expected 2, got {diagonal}")
+            want = M.tiles_per_rank(4, layout)
+            self.assertEqual(tiles, want, f"{layout}: bench tiles expected {want}, got {tiles}")
+            self.assertEqual(diagonal, [2] * 4,
+                             f"{layout}: diagonal tiles per rank expected 2, got {diagonal}")
 
     def test_demo_passes_with_the_defaults_at_world_size_3(self):
         self.assertEqual(C.main(["--device", "cpu", "--world-size", "3", "--timeout", "60"]), 0,
@@ -593,7 +605,8 @@ class TestDocNumbers(unittest.TestCase):
         for cp in (1, 8, 16):
             per_layer = M.activation_bytes_per_rank(s, h, a, cp)
             self.assert_quoted(text, f"{per_layer / 1e9:,.2f} GB", f"cp = {cp}'s bytes per layer")
-            self.assert_quoted(text, f"{per_layer * layers / 1e9:,.1f} GB", f"cp = {cp}'s bytes for 32 layers")
+            self.assert_quoted(text, f"{per_layer * layers / 1e9:,.1f} GB",
+                               f"cp = {cp}'s bytes for 32 layers")
         scores = (M.activation_bytes_per_rank(s, h, a, 1, flash=False)
                   - M.activation_bytes_per_rank(s, h, a, 1))
         self.assert_quoted(text, f"{scores / 1e12:,.2f} TB", "the score matrices' bytes")
@@ -602,16 +615,18 @@ class TestDocNumbers(unittest.TestCase):
         text = readme_text()
         b = M.shard_bytes(131072, 32, 128, 8, 2)
         self.assertEqual(b, 2**27, f"B at 128k, 32 heads of 128, cp 8, bf16: expected 128 MiB, got {b}")
-        for kv, ring_text, ulysses_text in ((32, "{:.2f} GiB", "{:.0f} MiB"), (8, "{:.0f} MiB", "{:.0f} MiB")):
+        for kv, ring_text, ulysses_text in ((32, "{:.2f} GiB", "{:.0f} MiB"),
+                                            (8, "{:.0f} MiB", "{:.0f} MiB")):
             ring = M.ring_bytes_per_rank(131072, 32, 128, 8, 2, kv).forward
             ulysses = U.ulysses_bytes_per_rank(131072, 32, 128, 8, 2, kv).forward
             self.assert_quoted(text, ring_text.format(ring / (2**30 if "GiB" in ring_text else 2**20)),
                                f"the ring's forward bytes with {kv} K/V heads")
             self.assert_quoted(text, ulysses_text.format(ulysses / 2**20), f"Ulysses's with {kv} K/V heads")
-        self.assert_quoted(text, f"from 3.5 B to {U.ulysses_bytes_per_rank(131072, 32, 128, 8, 2, 8).forward / b:.1f} B",
-                           "Ulysses's GQA bytes in units of B")
+        gqa = U.ulysses_bytes_per_rank(131072, 32, 128, 8, 2, 8).forward
+        self.assert_quoted(text, f"from 3.5 B to {gqa / b:.1f} B", "Ulysses's GQA bytes in units of B")
         for cp, quoted in ((2, "2 B at cp = 2"), (4, "3 B at cp = 4"), (8, "3.5 B at cp = 8")):
-            units = U.ulysses_bytes_per_rank(4096, 32, 128, cp, 2).forward / M.shard_bytes(4096, 32, 128, cp, 2)
+            units = (U.ulysses_bytes_per_rank(4096, 32, 128, cp, 2).forward
+                     / M.shard_bytes(4096, 32, 128, cp, 2))
             self.assertIn(f"{units:g} B at cp = {cp}", text, f"Ulysses at cp = {cp}: expected {quoted}")
 
     def test_worked_tiles_flops_and_demo_bytes(self):
@@ -622,13 +637,17 @@ class TestDocNumbers(unittest.TestCase):
                                f"{layout}'s FLOP units at cp = 4")
         for cp in (4, 8):
             work, tiles = M.causal_work_per_rank(cp, "contiguous"), M.tiles_per_rank(cp, "contiguous")
-            self.assertEqual(max(work) / (sum(work) / cp), 2 - 1 / cp, f"cp = {cp}: FLOP ratio expected 2 - 1/cp")
+            self.assertEqual(max(work) / (sum(work) / cp), 2 - 1 / cp,
+                             f"cp = {cp}: FLOP ratio expected 2 - 1/cp, got {work}")
             self.assert_quoted(text, f"**{2 - 1 / cp:g}** at cp = {cp}", f"the FLOP ratio at cp = {cp}")
-            self.assert_quoted(text, f"{max(tiles)}/{sum(tiles) // cp} = {max(tiles) / (sum(tiles) / cp):.2f}",
+            ratio = max(tiles) / (sum(tiles) / cp)
+            self.assert_quoted(text, f"{max(tiles)}/{sum(tiles) // cp} = {ratio:.2f}",
                                f"the tile ratio at cp = {cp}")
         ring, ulysses = M.ring_bytes_per_rank(48, 12, 8, 4, 8), U.ulysses_bytes_per_rank(48, 12, 8, 4, 8)
-        self.assert_quoted(text, f"B = 12 x 12 x 8 x 8 = {M.shard_bytes(48, 12, 8, 4, 8):,} bytes", "the demo's B")
-        self.assert_quoted(text, f"{ring.forward:,} B forward and {ring.backward:,} B backward", "the demo's ring bytes")
+        self.assert_quoted(text, f"B = 12 x 12 x 8 x 8 = {M.shard_bytes(48, 12, 8, 4, 8):,} bytes",
+                           "the demo's B")
+        self.assert_quoted(text, f"{ring.forward:,} B forward and {ring.backward:,} B backward",
+                           "the demo's ring bytes")
         self.assert_quoted(text, f"{ulysses.forward:,} B each way", "the demo's Ulysses bytes")
         parser_defaults = C.parse_args(["--world-size", "4"])
         self.assertEqual((parser_defaults.seq, parser_defaults.heads, parser_defaults.head_dim), (48, 12, 8),
@@ -637,16 +656,19 @@ class TestDocNumbers(unittest.TestCase):
     def test_causal_pairs_per_layout(self):
         text = readme_text()
         seq, cp = 4096, 4
-        layouts = {layout: [M.sequence_positions(seq, cp, r, layout) for r in range(cp)] for layout in M.LAYOUTS}
+        layouts = {layout: [M.sequence_positions(seq, cp, r, layout) for r in range(cp)]
+                   for layout in M.LAYOUTS}
         layouts["striped"] = [torch.arange(r, seq, cp) for r in range(cp)]
         pairs = {name: [CO.causal_pairs(p) for p in positions] for name, positions in layouts.items()}
-        self.assertEqual(sum(pairs["zigzag"]), seq * (seq + 1) // 2, "the ranks' pairs must sum to s (s + 1) / 2")
+        self.assertEqual(sum(pairs["zigzag"]), seq * (seq + 1) // 2,
+                         f"the ranks' pairs must sum to s (s + 1) / 2, got {pairs['zigzag']}")
         self.assert_quoted(text, f"contiguous ranks see {min(pairs['contiguous']):,} to "
                                  f"{max(pairs['contiguous']):,}", "contiguous pairs")
         self.assert_quoted(text, f"zig-zag ranks {pairs['zigzag'][0]:,} each", "zig-zag pairs")
         self.assertEqual(len(set(pairs["zigzag"])), 1, f"zig-zag pairs expected equal, got {pairs['zigzag']}")
-        self.assert_quoted(text, f"striped ranks {min(pairs['striped']):,} to {max(pairs['striped']):,} "
-                                 f"(within {max(pairs['striped']) / min(pairs['striped']) - 1:.1%})", "striped pairs")
+        low, high = min(pairs["striped"]), max(pairs["striped"])
+        self.assert_quoted(text, f"striped ranks {low:,} to {high:,} (within {high / low - 1:.1%})",
+                           "striped pairs")
 
     def test_flops_overlap_and_buffers(self):
         text = readme_text()
@@ -659,8 +681,8 @@ class TestDocNumbers(unittest.TestCase):
                   (8, 50e9, True): "**{:,.0f}**. The backward"}
         for (kv, link, causal), pattern in quoted.items():
             tokens = CO.ring_overlap_min_tokens(32, kv, 2, 989e12, link, causal)
-            self.assert_quoted(text, pattern.format(tokens), f"the overlap bound ({kv} K/V heads, {link:g} B/s, "
-                                                             f"causal zig-zag {causal})")
+            self.assert_quoted(text, pattern.format(tokens), f"the overlap bound ({kv} K/V heads, "
+                                                             f"{link:g} B/s, causal zig-zag {causal})")
         for cp, fits in ((8, True), (64, False)):
             n = 131072 // cp
             self.assertEqual(n >= CO.ring_overlap_min_tokens(32, 8, 2, 989e12, 50e9, True), fits,
@@ -676,7 +698,8 @@ class TestDocNumbers(unittest.TestCase):
         text = readme_text()
         self.assert_quoted(text, "bf16 gets 1 eps", "the bf16 bound")
         self.assertEqual(C.precision_bound(torch.bfloat16, 32, 67, 24), 1.0, "bf16 bound: 1 eps")
-        self.assertEqual(C.precision_bound(torch.float32, 32, 67, 24), 32 + 3, "float32 bound: E + key blocks")
+        self.assertEqual(C.precision_bound(torch.float32, 32, 67, 24), 32 + 3,
+                         "float32 bound: E + key blocks")
 
 
 class TestCommandLine(unittest.TestCase):
@@ -684,7 +707,8 @@ class TestCommandLine(unittest.TestCase):
         for argv, fragment in ((["--seq", "20", "--world-size", "4"], "--seq 20"),
                                (["--variant", "ulysses", "--heads", "6", "--world-size", "4"], "--heads 6"),
                                (["--heads", "12", "--kv-heads", "5"], "--kv-heads 5"),
-                               (["--variant", "ulysses", "--kv-heads", "3", "--world-size", "2"], "--kv-heads 3"),
+                               (["--variant", "ulysses", "--kv-heads", "3", "--world-size", "2"],
+                                "--kv-heads 3"),
                                (["--layout", "striped"], "invalid choice"),
                                (["--world-size", "0"], "out of range")):
             with self.subTest(argv=argv):
