@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import itertools
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,8 +44,7 @@ import torch.nn.functional as F
 
 from . import nd_model, nd_placement
 
-collectives = importlib.import_module("lessons.01_collectives.main")  # chunk_bounds, Traffic
-zero = importlib.import_module("lessons.03_zero.main")  # ZeroStage1, shard_bounds
+zero = importlib.import_module("lessons.03_zero.main")  # ZeroStage1 and its contract
 tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")  # SP blocks
 pipeline = importlib.import_module("lessons.05_pipeline.main")  # 1F1B, pipeline_step
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # schedule, errors
@@ -269,56 +267,23 @@ def rank_batch(batch, layout: Layout, coords: dict[str, int], microbatches: int,
     return list(zip(*mine))
 
 
-class ZeroOverGroup(zero.ZeroStage1):
-    """Lesson 03's ZeRO-1 over a group of a mesh (nd.py: dp x cp, the ranks that split the
-    data): the same shards (shard_bounds of each flattened parameter over the group), the
-    same step, with torch.distributed's reduce-scatter and all-gather on the group (lesson
-    01's rings run on the default group only). Uneven shards are padded to the largest for
-    the collective. The reduce-scatter SUMS: each rank's loss is already divided by the global
-    token count (torchtitan sets FSDP's gradient divide factor to 1 for the same reason). No
-    broadcast: every rank already holds the same initial weights."""
+class ZeroStage1Sum(zero.ZeroStage1):
+    """Lesson 03's `zero.ZeroStage1` (ZeroRedundancyOptimizer's contract; here over the dp x cp
+    group, the ranks that split the data) with one change: its reduce-scatter SUMS the
+    group's gradients instead of averaging them. Each rank's loss is already the sum over
+    its real targets divided by the global batch's count of them, so the sum over the ranks
+    is the one-process gradient (torchtitan turns FSDP's gradient division off for the same
+    reason; Megatron-LM's per-token loss sets its gradient scaling factor to 1). Uneven
+    shards, the per-parameter collectives, the step and the all-gather are lesson 03's."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup,
-                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
-        self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.traffic = collectives.Traffic()  # torch's collectives: not counted
-        self.named = named
-        self.bounds = [zero.shard_bounds(p.numel(), self.world, self.rank) for _, p in named]
-        self.shards = [self.make_shard(p, start, end) for (_, p), (start, end)
-                       in zip(named, self.bounds)]
-        self.optimizer = make_optimizer(self.shards)
-
-    def padded(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """flat (n,) -> rows (world, ceil(n / world)), row r = rank r's shard then zeros."""
-        bounds = collectives.chunk_bounds(flat.numel(), self.world)
-        width = max(end - start for start, end in bounds)
-        rows = flat.new_zeros(self.world, width)
-        for row, (start, end) in zip(rows, bounds):
-            row[:end - start] = flat[start:end]
-        return rows, bounds
-
-    def reduce_scatter_gradients(self) -> None:
-        """Per parameter (one at a time: no buffer of every gradient at once), my shard of the
-        SUM of the group's gradients, then param.grad = None."""
-        for (_, param), shard in zip(self.named, self.shards):
-            rows, _ = self.padded(param.grad.reshape(-1))
-            mine = rows.new_empty(rows.shape[1])
-            dist.reduce_scatter_single(mine, rows.reshape(-1), group=self.group)
-            shard.grad = mine[:shard.numel()]  # the sum over the group
-            param.grad = None
-
-    def all_gather_parameters(self) -> None:
-        """Per parameter, every rank's updated shard copied into the full parameter in place."""
-        for (_, param), shard in zip(self.named, self.shards):
-            rows, bounds = self.padded(torch.zeros(param.numel(), dtype=param.dtype,
-                                                   device=param.device))
-            mine = rows.new_zeros(rows.shape[1])
-            mine[:shard.numel()] = shard.detach()
-            dist.all_gather_single(rows.view(-1), mine, group=self.group)
-            with torch.no_grad():
-                param.copy_(torch.cat([row[:end - start] for row, (start, end)
-                                       in zip(rows, bounds)]).view_as(param))
+    def reduce_gradient(self, index: int) -> None:
+        """ZeroStage1's, with `contract.reduce_scatter_sum` in place of the mean: shards[index]
+        gets (or adds) this rank's slice of the group's sum of parameter `index`'s gradient."""
+        param, shard = self.named[index][1], self.shards[index]
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        summed = zero.contract.reduce_scatter_sum(grad.reshape(-1), self.traffic, self.group)
+        shard.grad = summed if shard.grad is None else shard.grad + summed
+        param.grad = None
 
 
 class NDTrainer:
@@ -327,8 +292,10 @@ class NDTrainer:
     every rank, and returns (loss, gradient norm) of the whole batch on every rank. `bf16`
     (default: on GPUs) runs each stage's forward under bf16 autocast, attention in fp32.
     `groups`: the mesh's group of each dimension and "dp_cp", the ranks that split the data
-    (ZeRO's group). Lesson 06's Checkpointer uses shard_state() / load_shards(), `step`,
-    `rank`, `world` and `config.fingerprint()`."""
+    (ZeRO's group). `zero`: lesson 03's ZeRO-1 optimizer (`ZeroStage1Sum`) over AdamW's two
+    groups, which `scheduler` drives; `placements[i]`: the nd_placement.Placement of
+    zero.named[i] (ZeRO's order, the decay group first). Lesson 06's Checkpointer uses
+    shard_state() / load_shards(), `step`, `rank`, `world` and `config.fingerprint()`."""
 
     def __init__(self, config: nd_model.GPTConfig, layout: Layout, mesh, device: torch.device,
                  dtype: torch.dtype = torch.float32, bf16: bool | None = None):
@@ -344,11 +311,14 @@ class NDTrainer:
         self.stage = Stage(nd_model.build_gpt(config, dtype), layout, self.coords, tp,
                            self.groups["cp"], bf16).to(device)
         self.positions = local_positions(config.seq, layout, self.coords["cp"], self.coords["tp"])
-        named = [(p.name, param) for param, p in self.stage.placements]
-        self.zero = ZeroOverGroup(named, self.groups["dp_cp"], lambda shards: nd_model.adamw(
-            [(shard, len(p.shape)) for shard, (_, p) in zip(shards, self.stage.placements)], config))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.zero.optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
+        named = [(placement.name, param) for param, placement in self.stage.placements]
+        self.zero = ZeroStage1Sum(nd_model.adamw_groups(named, config.weight_decay),
+                                  torch.optim.AdamW, group=self.groups["dp_cp"], lr=config.lr,
+                                  foreach=False)
+        placement_of = {id(param): placement for param, placement in self.stage.placements}
+        self.placements = [placement_of[id(param)] for _, param in self.zero.named]
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(  # on ZeRO's param_groups
+            self.zero, checkpointing.cosine_with_warmup(config.warmup, config.steps))
         self.order = pipeline.one_f_one_b_order(layout.pp, config.microbatches)[self.coords["pp"]]
         self.first, self.last = self.coords["pp"] == 0, self.coords["pp"] == layout.pp - 1
         self.tokens = torch.ones((), dtype=torch.int64, device=device)  # set by train_step
@@ -392,7 +362,7 @@ class NDTrainer:
         the world, then every shard times min(1, clip / (||g|| + 1e-6)), torch's
         clip_grad_norm_ rule. Returns ||g|| (0-d) before clipping."""
         squares = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for shard, (_, placement) in zip(self.zero.shards, self.stage.placements):
+        for shard, placement in zip(self.zero.shards, self.placements):
             if placement.dim is not None or self.coords["tp"] == 0:
                 squares += shard.grad.double().pow(2).sum()
         dist.all_reduce(squares)
@@ -432,8 +402,7 @@ class NDTrainer:
         self.reduce_gradients()  # tp: the replicated parameters' partial sums
         self.zero.reduce_scatter_gradients()  # dp x cp: my shard of the sum
         norm = self.clip()
-        self.zero.step_shards()  # AdamW on my shard
-        self.zero.all_gather_parameters()
+        self.zero.step()  # AdamW on my shards at the schedule's LR, then the all-gather
         self.scheduler.step()
         self.zero.zero_grad()
         self.step += 1

@@ -31,6 +31,7 @@ from . import nd, nd_model, nd_placement
 
 capstone = importlib.import_module("lessons.13_capstone.main")  # resume()
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # Checkpointer
+zero = importlib.import_module("lessons.03_zero.main")  # contract.group_all_gather
 
 
 def random_batches(config: nd_model.GPTConfig, steps: int, seed: int = 7) -> list[torch.Tensor]:
@@ -93,18 +94,14 @@ def dcp_state(trainer: nd.NDTrainer) -> dict:
 
     submesh = trainer.mesh["dp", "cp", "tp"]
     state = {}
-    for shard, (param, placement) in zip(trainer.zero.shards, trainer.stage.placements):
+    for (_, param), shard, placement in zip(trainer.zero.named, trainer.zero.shards,
+                                            trainer.placements):
         moments = trainer.zero.optimizer.state.get(shard, {})
         tensors = {"params": param.detach()}
         for key in ("exp_avg", "exp_avg_sq"):
             if key in moments:
-                rows, bounds = trainer.zero.padded(torch.zeros(param.numel(), dtype=param.dtype,
-                                                               device=param.device))
-                mine = rows.new_zeros(rows.shape[1])
-                mine[:shard.numel()] = moments[key]
-                dist.all_gather_single(rows.view(-1), mine, group=trainer.zero.group)
-                tensors[key] = torch.cat([row[:end - start] for row, (start, end)
-                                          in zip(rows, bounds)]).view_as(param)
+                tensors[key] = zero.contract.group_all_gather(
+                    moments[key], param.numel(), trainer.zero.group).view_as(param)
         tp_place = Replicate() if placement.dim is None else Shard(placement.dim)
         for key, local in tensors.items():
             for part, piece in enumerate(local.chunk(placement.parts, placement.dim or 0)):

@@ -96,13 +96,19 @@ def build_gpt(config: GPTConfig, dtype: torch.dtype = torch.float32) -> GPT:
     return GPT(config).to(dtype)
 
 
-def adamw(params_by_dim: list[tuple[torch.Tensor, int]], config: GPTConfig) -> torch.optim.AdamW:
-    """AdamW with nanoGPT's groups: tensors of 2+ dimensions decay (judged by the dimension of
-    the parameter each tensor is, or is a shard of), the others do not."""
-    decay = [p for p, dim in params_by_dim if dim >= 2]
-    keep = [p for p, dim in params_by_dim if dim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                              {"params": keep, "weight_decay": 0.0}], lr=config.lr, foreach=False)
+def adamw_groups(params: list, weight_decay: float) -> list[dict]:
+    """nanoGPT's two AdamW groups of `params` (tensors, or (name, tensor) pairs): tensors of
+    2+ dimensions decay (a tp piece or a DTensor has the dimensions of its parameter), the
+    others do not: [{"params": [...], "weight_decay": weight_decay}, {..., 0.0}]."""
+    def dims(p) -> int:
+        return (p[1] if isinstance(p, tuple) else p).dim()
+    return [{"params": [p for p in params if dims(p) >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if dims(p) < 2], "weight_decay": 0.0}]
+
+
+def adamw(params: list, config: GPTConfig) -> torch.optim.AdamW:
+    """torch's AdamW over `adamw_groups(params, config.weight_decay)` at config.lr."""
+    return torch.optim.AdamW(adamw_groups(params, config.weight_decay), lr=config.lr, foreach=False)
 
 
 def inputs_and_targets(batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +133,7 @@ def train_one_process(config: GPTConfig, batches: list, dtype: torch.dtype = tor
     clip_grad_norm_, AdamW, warmup + cosine; `bf16`: the forward under bf16 autocast (on the
     CPU too). Returns [(loss, norm before clipping)] and the trained model."""
     model = build_gpt(config, dtype).to(device)
-    optimizer = adamw([(p, p.dim()) for p in model.parameters()], config)
+    optimizer = adamw(list(model.parameters()), config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
     history = []

@@ -117,8 +117,8 @@ def checkpoint_state(trainer) -> dict:
     "exp_avg_sq": 1-D CPU tensors}}, "step", "adam_step", "scheduler", "lr", "layout",
     "world_size", "fingerprint"}."""
     tensors = {}
-    for shard, (start, end), (_, placement) in zip(trainer.zero.shards, trainer.zero.bounds,
-                                                   trainer.stage.placements):
+    for shard, (start, end), placement in zip(trainer.zero.shards, trainer.zero.bounds,
+                                              trainer.placements):
         if placement.dim is None and trainer.coords["tp"]:
             continue
         state = trainer.zero.optimizer.state.get(shard, {})
@@ -133,7 +133,7 @@ def checkpoint_state(trainer) -> dict:
             "layout": dataclasses.asdict(trainer.layout), "fingerprint": trainer.config.fingerprint(),
             "tensors": tensors, "adam_step": adam_step,
             "scheduler": trainer.scheduler.state_dict(),
-            "lr": [group["lr"] for group in trainer.zero.optimizer.param_groups]}
+            "lr": [group["lr"] for group in trainer.zero.param_groups]}
 
 def load_checkpoint_state(trainer, shards: list[dict]) -> None:
     """Continue from any layout's shards: each global tensor is joined from the saved
@@ -146,8 +146,8 @@ def load_checkpoint_state(trainer, shards: list[dict]) -> None:
                 f"{placement.name}: the checkpoint holds "
                 f"{'no such tensor' if saved is None else tuple(saved.shape)}, this model "
                 f"needs {placement.shape}: not a checkpoint of this model")
-    for shard, (start, end), (param, placement) in zip(trainer.zero.shards, trainer.zero.bounds,
-                                                        trainer.stage.placements):
+    for (_, param), shard, (start, end), placement in zip(trainer.zero.named, trainer.zero.shards,
+                                                          trainer.zero.bounds, trainer.placements):
         pieces = {key: cut(full[key][placement.name], placement, trainer.coords["tp"],
                            trainer.layout.tp).to(param.device)
                   for key in ("params", "exp_avg", "exp_avg_sq") if placement.name in full[key]}
@@ -159,5 +159,5 @@ def load_checkpoint_state(trainer, shards: list[dict]) -> None:
                 **{key: t.reshape(-1)[start:end].clone() for key, t in pieces.items()}}
     trainer.step = shards[0]["step"]
     trainer.scheduler.load_state_dict(shards[0]["scheduler"])
-    for group, lr in zip(trainer.zero.optimizer.param_groups, shards[0]["lr"]):
+    for group, lr in zip(trainer.zero.param_groups, shards[0]["lr"]):
         group["lr"] = lr

@@ -226,7 +226,7 @@ def train(params: list[nn.Parameter], forward_backward: Callable[[torch.Tensor],
     tensor, the same on every rank); then the global norm, torch's clip_grads_with_norm_,
     AdamW (nd_model.adamw: a DTensor keeps its global dim), the schedule. Returns {"history":
     [(loss, norm before clipping)], "torch_clip": torch_clip_probe at the first step}."""
-    optimizer = nd_model.adamw([(p, p.dim()) for p in params], config)
+    optimizer = nd_model.adamw(params, config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
     history, probe = [], None
