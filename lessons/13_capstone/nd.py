@@ -274,7 +274,10 @@ class ZeroStage1Sum(zero.ZeroStage1):
     its real targets divided by the global batch's count of them, so the sum over the ranks
     is the one-process gradient (torchtitan turns FSDP's gradient division off for the same
     reason; Megatron-LM's per-token loss sets its gradient scaling factor to 1). Uneven
-    shards, the per-parameter collectives, the step and the all-gather are lesson 03's."""
+    shards, the per-parameter collectives, the step and the all-gather are lesson 03's, and
+    so is the ranks' agreement on which gradients exist (one all-reduce of a flag per
+    parameter, each time the gradients are reduce-scattered: before clipping, and again, with
+    none left, inside step())."""
 
     def reduce_gradient(self, index: int) -> None:
         """ZeroStage1's, with `contract.reduce_scatter_sum` in place of the mean: shards[index]
