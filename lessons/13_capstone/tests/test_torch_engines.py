@@ -49,9 +49,10 @@ class TestGPTStage(unittest.TestCase):
 
     def test_stages_compose_to_the_model(self):
         whole = self.gpt(self.tokens)
-        self.assertTrue(torch.equal(T.GPTStage(self.gpt)(self.tokens), whole))
+        self.assertTrue(torch.equal(T.GPTStage(self.gpt)(self.tokens), whole),
+                        "one stage holding every layer must equal the whole model")
         cut = T.GPTStage(self.gpt, 1, 2)(T.GPTStage(self.gpt, 0, 2)(self.tokens))
-        self.assertTrue(torch.equal(cut, whole))
+        self.assertTrue(torch.equal(cut, whole), "the stages in a row must equal the whole model")
         with self.assertRaisesRegex(ValueError, "4 layers do not split over pp = 3"):
             T.GPTStage(self.gpt, 0, 3)
 
@@ -63,7 +64,8 @@ class TestGPTStage(unittest.TestCase):
         # 1e-16 absolute on a logit of 8e-5 with AVX-512 kernels: 1.2e-12 relative)
         scale = whole.abs().max().item()
         torch.testing.assert_close(sdpa, whole, rtol=RELATIVE, atol=RELATIVE * scale)
-        self.assertFalse(torch.equal(T.GPTStage(self.gpt, sdpa=True)(self.tokens.flip(1)), whole))
+        self.assertFalse(torch.equal(T.GPTStage(self.gpt, sdpa=True)(self.tokens.flip(1)), whole),
+                         "other tokens gave the same output: the comparison cannot fail")
 
     def test_parse_layout(self):
         self.assertEqual(T.parse_layout("dp2xtp2xpp2"), nd.Layout(dp=2, tp=2, pp=2))
@@ -112,7 +114,8 @@ class TestTorchEngines(unittest.TestCase):
             self.assertEqual(result["error"], CPU_CP_ERROR)
             self.assertIsNone(result["torch"])
             for ours, one in zip(result["ours"], self.reference, strict=True):  # ours runs cp2
-                self.assertTrue(close(ours[0], one[0]) and close(ours[1], one[1]))
+                self.assertTrue(close(ours[0], one[0]) and close(ours[1], one[1]),
+                                f"ours {ours} against one process {one}")
 
     def test_torch_clip_grad_norm_alone(self):
         """What torch.nn.utils.clip_grad_norm_ says of each rank's first gradients: the global
@@ -120,10 +123,13 @@ class TestTorchEngines(unittest.TestCase):
         596: the stages' squares must be summed), and an error for a mix of meshes."""
         first_norm = self.reference[0][1]
         for probe in (r["torch_clip"] for r in self.results["dp2"]):
-            self.assertTrue(close(probe, first_norm))
+            self.assertTrue(close(probe, first_norm), f"dp2: clip_grad_norm_ said {probe}, expected "
+                                                      f"the global norm {first_norm}")
         stages = [r["torch_clip"] for r in self.results["pp2"]]
-        self.assertTrue(all(norm < first_norm for norm in stages))
-        self.assertTrue(close(math.sqrt(sum(norm**2 for norm in stages)), first_norm))
+        self.assertTrue(all(norm < first_norm for norm in stages),
+                        f"each stage's norm {stages} must be below the whole norm {first_norm}")
+        self.assertTrue(close(math.sqrt(sum(norm**2 for norm in stages)), first_norm),
+                        f"sqrt(sum of the stages' squared norms {stages}) != the whole norm {first_norm}")
         for name, error in (("tp2", MIXED_TENSOR_ERROR), ("dp2 x tp2", MIXED_MESH_ERROR)):
             for result in self.results[name]:
                 self.assertEqual(result["torch_clip"], error)
@@ -141,7 +147,8 @@ class TestTorchEngines(unittest.TestCase):
             self.assertLess(max(rows[name][key] for key in ("loss_diff", "norm_diff", "ours_loss_diff",
                                                             "ours_norm_diff")), RELATIVE * 4)
             self.assertIsNone(rows[name]["error"])
-        self.assertTrue(math.isnan(rows["cp2"]["loss_diff"]))
+        self.assertTrue(math.isnan(rows["cp2"]["loss_diff"]),
+                        f"cp2 row: expected no loss difference (NaN), got {rows['cp2']['loss_diff']}")
         self.assertEqual(rows["cp2"]["error"], CPU_CP_ERROR)
         text = T.format_table(list(rows.values()))
         self.assertIn("| dp2 x tp2 | parallelize_module + fully_shard |", text)
