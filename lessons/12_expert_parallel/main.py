@@ -92,7 +92,7 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
 
 # exercise router (continued)
 def router_z_loss(routing: Routing) -> torch.Tensor:
-    """ST-MoE's router z-loss (arXiv 2202.08906, eq. 5): (1/T) sum_t (log sum_j exp logits[t, j])^2.
+    """ST-MoE's router z-loss (arXiv 2202.08906): (1/T) sum_t (log sum_j exp logits[t, j])^2.
     Keeps the logits small (a float32/bf16 router stays stable); coefficient 1e-3."""
     return torch.logsumexp(routing.logits, dim=-1).square().mean()
 
