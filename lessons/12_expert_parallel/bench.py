@@ -114,7 +114,8 @@ def time_loop_vs_grouped(tokens: int, hidden: int, ffn: int, experts: int, top_k
     args = (x, router, w_in, w_out, top_k, capacity_factor)
     forms = {"loop_s": lambda: expert_parallel.moe_layer(*args).out, "grouped_s": lambda: grouped_moe(*args)}
     outputs = {name: form() for name, form in forms.items()}  # the warm-up calls
-    samples: dict[str, list[float]] = {key: [] for name in forms for key in (name, name.replace("_s", "_cpu_s"))}
+    samples: dict[str, list[float]] = {key: [] for name in forms
+                                       for key in (name, name.replace("_s", "_cpu_s"))}
     for _ in range(repeats):
         for name, form in forms.items():
             synchronize(device)

@@ -64,7 +64,8 @@ def make_inputs(seed: int, world: int, tokens: int | list[int], hidden: int, ffn
     made = {k: v.to(device) for k, v in made.items()}
     for name, rows in (("x", x), ("w", w)):
         rows = rows.to(device)
-        made[name] = list(rows.split(counts)) if isinstance(tokens, list) else rows.view(world, tokens, hidden)
+        made[name] = (list(rows.split(counts)) if isinstance(tokens, list)
+                      else rows.view(world, tokens, hidden))
     return made
 
 

@@ -125,11 +125,11 @@ def keep_mask(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.T
     """Which (token, choice) assignments an expert of `capacity` slots takes: bool (T, k).
 
     Priority (GShard, Lingvo's `Top2GatingOnLogits`): choice-major, then token order: every
-    token's first choice, tokens 0..T-1, then every second choice. An assignment's slot = how many assignments to the same
-    expert come before it in that order; kept iff slot < capacity. So a second choice never
-    displaces a first choice, and among first choices the LATER tokens are dropped. A dropped
-    assignment contributes nothing (gate x 0); a token with all k dropped gets 0 from the layer
-    (the residual connection around it carries the token on).
+    token's first choice, tokens 0..T-1, then every second choice. An assignment's slot = how
+    many assignments to the same expert come before it in that order; kept iff slot < capacity.
+    So a second choice never displaces a first choice, and among first choices the LATER tokens
+    are dropped. A dropped assignment contributes nothing (gate x 0); a token with all k dropped
+    gets 0 from the layer (the residual connection around it carries the token on).
     """
     tokens, top_k = experts.shape
     order = F.one_hot(experts.t().reshape(-1), num_experts)  # (k T, E), choice-major

@@ -141,7 +141,8 @@ class TestRouter(unittest.TestCase):
         got = M.load_balancing_loss(routing, 4)
         self.assertEqual(got.dtype, torch.float64, "the loss has the probabilities' dtype")
         self.assertAlmostEqual(got.item(), want, places=13,
-                               msg=f"E sum_i f_i P_i with f = (1/3, 1/3, 1/3, 0): expected {want!r}, got {got.item()!r}")
+                               msg=f"E sum_i f_i P_i with f = (1/3, 1/3, 1/3, 0): expected {want!r}, "
+                                   f"got {got.item()!r}")
 
     def test_load_balancing_loss_bounds(self):
         """1 at uniform routing; below E/k when every token picks the same k experts; below 1
@@ -189,7 +190,8 @@ class TestRouter(unittest.TestCase):
         want = 2 * lse * torch.softmax(logits.detach(), -1) / 2
         self.assertIsNotNone(logits.grad, "no gradient from the z-loss to the logits")
         self.assertLess((logits.grad - want).abs().max().item(), 1e-12,
-                        f"d z / d logits = 2 lse softmax / T: expected {want.tolist()}, got {logits.grad.tolist()}")
+                        f"d z / d logits = 2 lse softmax / T: expected {want.tolist()}, "
+                        f"got {logits.grad.tolist()}")
 
 
 def counterexample() -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -257,7 +259,8 @@ class TestCapacity(unittest.TestCase):
             want = W.oracle_keep(choice, experts, capacity)
             with self.subTest(top_k=top_k, experts=experts, capacity=capacity):
                 wrong = (keep != want).any(dim=1).nonzero().flatten()[:3]
-                self.assertEqual(mask_text(keep[wrong], wrong.tolist()), mask_text(want[wrong], wrong.tolist()),
+                self.assertEqual(mask_text(keep[wrong], wrong.tolist()),
+                                 mask_text(want[wrong], wrong.tolist()),
                                  f"30 tokens, top-{top_k} of {experts}, capacity {capacity}: the first wrong "
                                  f"tokens, whose choices are {choice[wrong].tolist()}")
                 per_expert = torch.bincount(choice[keep], minlength=experts)
@@ -307,7 +310,8 @@ class TestExpertParallel(RankCase):
                 self.assertEqual(value["send_counts"], rows[me],
                                  f"{where}: stats.send_counts = this rank's row of the routing's rows {rows}")
                 self.assertEqual(value["recv_counts"], [row[me] for row in rows],
-                                 f"{where}: stats.recv_counts = rows[i][this rank] for every source i, rows {rows}")
+                                 f"{where}: stats.recv_counts = rows[i][this rank] for every source i, "
+                                 f"rows {rows}")
                 self.assertEqual(value["expert_rows"], value["expected_expert_rows"],
                                  f"{where}: stats.expert_rows = kept rows routed to each local expert")
 
@@ -330,7 +334,7 @@ class TestExpertParallel(RankCase):
         """Top-1, no capacity limit, everything to the first rank's experts: the other ranks
         receive nothing and still take part in both all-to-alls."""
         found = 0
-        for where, world, _, key, value, _ in self.configs(""):
+        for where, _world, _, key, value, _ in self.configs(""):
             if key.endswith(("/1/0.0/20.0/p2p", "/1/0.0/20.0/torch")):
                 with self.subTest(where=where):
                     self.ok(where, value)
@@ -485,7 +489,8 @@ class TestDocNumbers(unittest.TestCase):
         total = layers * (attention + 8 * expert + d * 8 + norms) + 2 * vocab * d + d
         active = layers * (attention + 2 * expert + d * 8 + norms) + 2 * vocab * d + d
         text = readme_text()
-        self.assertIn(f"about {total / 1e9:.1f}B parameters but computes with about {active / 1e9:.1f}B", text)
+        self.assertIn(f"about {total / 1e9:.1f}B parameters but computes with about "
+                      f"{active / 1e9:.1f}B", text)
         share = expert / (attention + expert + norms)
         self.assertIn(f"about {100 * share:.0f}% of the non-embedding parameters", text)
         self.assertAlmostEqual(8 / 12, 2 / 3, msg="classic shape: MLP 8 d^2 of 12 d^2 per layer")
@@ -524,8 +529,8 @@ class TestDocNumbers(unittest.TestCase):
             self.assertEqual((~keep[:, 0]).nonzero().flatten().tolist(), [4], f"rank {rank} drops token 4")
             per_expert = torch.bincount(experts[keep], minlength=4).tolist()
             other = 1 - rank
-            self.assertIn(f"counts for experts {2 * other}, {2 * other + 1}: {per_expert[2 * other:2 * other + 2]}",
-                          text)
+            mine = per_expert[2 * other:2 * other + 2]
+            self.assertIn(f"counts for experts {2 * other}, {2 * other + 1}: {mine}", text)
         rows = C.routing_rows(ref, 4, 2)
         self.assertEqual(rows, [[4, 3], [4, 3]])
         forward, backward = M.ep_bytes_per_rank(rows, 0, 16, 8, 2)
@@ -545,15 +550,18 @@ class TestDocNumbers(unittest.TestCase):
                    f"{sum(first) // 8} is the fair share (imbalance {M.load_imbalance(first):.2f})",
                    f"the busiest rank holds {max(B.rank_loads(first, 4))} of the {sum(first)} rows",
                    f"(expert 0 leads at the last step with {last[0]}, expert 3 has {last[3]})",
-                   f"{M.load_imbalance(first):.2f} to {M.load_imbalance(last):.2f} in {len(runs[0.0])} steps",
+                   f"{M.load_imbalance(first):.2f} to {M.load_imbalance(last):.2f} in "
+                   f"{len(runs[0.0])} steps",
                    f"holds {max(B.rank_loads(last, 4))} rows where {fair} is the fair share",
                    f"take {max(B.rank_loads(last, 4)) / fair:.2f} times as long as balanced",
                    f"the imbalance falls to {M.load_imbalance(balanced):.2f} and the busiest rank holds "
-                   f"{max(B.rank_loads(balanced, 4))} rows ({max(B.rank_loads(balanced, 4)) / fair:.2f} times"]
+                   f"{max(B.rank_loads(balanced, 4))} rows "
+                   f"({max(B.rank_loads(balanced, 4)) / fair:.2f} times"]
         for phrase in phrases:
             self.assertIn(" ".join(phrase.split()), text)
         for coef, loads in runs.items():
-            self.assertIn(" ".join(B.load_line(coef, loads).split()), text, f"the bench's line for coef {coef}")
+            self.assertIn(" ".join(B.load_line(coef, loads).split()), text,
+                          f"the bench's line for coef {coef}")
 
     def test_grouped_padding_numbers(self):
         capacity = M.expert_capacity(4096, 64, 2, 1.25)

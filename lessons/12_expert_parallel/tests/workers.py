@@ -153,7 +153,8 @@ def ep_worker(ctx: RankContext, hidden: int, ffn: int) -> dict:
         if ctx.rank in members:
             sub_tokens, sub_experts = tokens[:len(members)], experts_for(len(members))
             for top_k, factor, skew in SUB_CONFIGS:
-                inputs = C.make_inputs(6, len(members), sub_tokens, hidden, ffn, sub_experts, ctx.device, skew)
+                inputs = C.make_inputs(6, len(members), sub_tokens, hidden, ffn, sub_experts, ctx.device,
+                                       skew)
                 key = f"sub/{members}/{top_k}/{factor}/{skew}/torch"
                 phase(f"dispatch-combine on ranks {members} of {world}: {key}")
                 with oracles():
