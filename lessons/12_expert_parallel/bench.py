@@ -12,12 +12,15 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
-from lessons._checks import best_time
+from lessons._checks import synchronize
+from lessons._launch import one_thread
 from lessons._report import float_in, int_in
 
 from . import main as expert_parallel
@@ -27,9 +30,15 @@ def router_load_run(aux_coef: float, steps: int = 40, tokens: int = 256, hidden:
                     ffn: int = 32, experts: int = 8, top_k: int = 2, lr: float = 0.5,
                     seed: int = 0) -> list[list[int]]:
     """Assignments routed to each expert (before capacity) at every step of a short SGD run,
-    float64, capacity unlimited. The task: match a fixed random teacher MoE's output (mean
-    squared error) + aux_coef x the load-balancing loss. The router starts biased towards
-    expert 0 (a constant input feature), as an unlucky initialisation would."""
+    float64, capacity unlimited, one thread (the same numbers on any machine). The task: match
+    a fixed random teacher's output (mean squared error) + aux_coef x the load-balancing loss.
+    The router's logit of expert 0 gets +1.5 on a constant input feature (an unlucky
+    initialisation); the random rest of the router decides as much (see the README)."""
+    with one_thread():
+        return _router_load_run(aux_coef, steps, tokens, hidden, ffn, experts, top_k, lr, seed)
+
+
+def _router_load_run(aux_coef, steps, tokens, hidden, ffn, experts, top_k, lr, seed):
     g = torch.Generator().manual_seed(seed)
     router = torch.randn(hidden, experts, generator=g, dtype=torch.float64) * 0.5
     router[0, 0] += 1.5
@@ -58,6 +67,15 @@ def rank_loads(expert_load: list[int], ep: int) -> list[int]:
     return [sum(expert_load[r * per:(r + 1) * per]) for r in range(ep)]
 
 
+def load_line(coef: float, loads: list[list[int]], ep: int = 4) -> str:
+    """One line of the report: the loads at the first and the last step, the imbalance (max /
+    mean) of the experts and of ep ranks holding them."""
+    first, last = loads[0], loads[-1]
+    return (f"aux coef {coef:<4}: step 0 imbalance {expert_parallel.load_imbalance(first):.2f} "
+            f"(ranks {rank_loads(first, ep)}); step {len(loads) - 1} {last}, imbalance "
+            f"{expert_parallel.load_imbalance(last):.2f}, per rank (ep {ep}) {rank_loads(last, ep)}")
+
+
 def grouped_moe(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tensor,
                 w_out: torch.Tensor, top_k: int, capacity_factor: float) -> torch.Tensor:
     """`moe_layer`'s output with ONE batched matmul per weight: the kept rows of each expert
@@ -82,20 +100,32 @@ def grouped_moe(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tensor
 
 def time_loop_vs_grouped(tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
                          capacity_factor: float, device: str = "cpu",
-                         dtype=torch.float32) -> dict:
-    """Seconds (best of 5) of the loop and the grouped matmul on the same inputs, and their
-    max |difference| (float32: a different summation order, ~1e-6)."""
+                         dtype=torch.float32, repeats: int = 7) -> dict:
+    """Seconds (the median of `repeats`, the two forms alternating after one warm-up call each)
+    of the loop and the grouped matmul on the same inputs: wall clock ("loop_s", "grouped_s")
+    and this process's CPU time ("loop_cpu_s", "grouped_cpu_s": on CPU with one thread, the
+    wall time of a quiet machine, and far less disturbed by other processes on a busy one);
+    and their max |difference| (float32: a different summation order, ~1e-6)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
     router = torch.randn(hidden, experts, generator=g).to(device, dtype)
     w_in = (torch.randn(experts, hidden, ffn, generator=g) / hidden**0.5).to(device, dtype)
     w_out = (torch.randn(experts, ffn, hidden, generator=g) / ffn**0.5).to(device, dtype)
     args = (x, router, w_in, w_out, top_k, capacity_factor)
-    loop = expert_parallel.moe_layer(*args).out
-    grouped = grouped_moe(*args)
-    return {"loop_s": best_time(lambda: expert_parallel.moe_layer(*args), 5, device),
-            "grouped_s": best_time(lambda: grouped_moe(*args), 5, device),
-            "max_abs_diff": (loop - grouped).abs().max().item()}
+    forms = {"loop_s": lambda: expert_parallel.moe_layer(*args).out, "grouped_s": lambda: grouped_moe(*args)}
+    outputs = {name: form() for name, form in forms.items()}  # the warm-up calls
+    samples: dict[str, list[float]] = {key: [] for name in forms
+                                       for key in (name, name.replace("_s", "_cpu_s"))}
+    for _ in range(repeats):
+        for name, form in forms.items():
+            synchronize(device)
+            started, cpu = time.perf_counter(), time.process_time()
+            form()
+            synchronize(device)
+            samples[name].append(time.perf_counter() - started)
+            samples[name.replace("_s", "_cpu_s")].append(time.process_time() - cpu)
+    return {**{name: statistics.median(values) for name, values in samples.items()},
+            "max_abs_diff": (outputs["loop_s"] - outputs["grouped_s"]).abs().max().item()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     for coef in (0.0, 1.0):
         loads = router_load_run(coef)
-        print(f"aux coef {coef:<5}: expert loads at step 0 {loads[0]}, last {loads[-1]}, "
-              f"imbalance {expert_parallel.load_imbalance(loads[-1]):.2f}, per rank (ep 4) "
-              f"{rank_loads(loads[-1], 4)}")
+        if coef == 0.0:
+            print(f"step 0 expert loads {loads[0]} (the same for both runs)")
+        print(load_line(coef, loads))
     timing = time_loop_vs_grouped(args.tokens, args.hidden, args.ffn, args.experts, args.top_k,
                                   args.capacity_factor, args.device)
-    print(f"{args.experts} experts, {args.tokens} tokens, d {args.hidden}, f {args.ffn}: loop "
-          f"{timing['loop_s'] * 1e3:.1f} ms, grouped {timing['grouped_s'] * 1e3:.1f} ms, "
+    print(f"{args.experts} experts, {args.tokens} tokens, d {args.hidden}, f {args.ffn}, medians of 7: "
+          f"loop {timing['loop_s'] * 1e3:.1f} ms ({timing['loop_cpu_s'] * 1e3:.1f} ms CPU), grouped "
+          f"{timing['grouped_s'] * 1e3:.1f} ms ({timing['grouped_cpu_s'] * 1e3:.1f} ms CPU), "
           f"max |diff| {timing['max_abs_diff']:.1e}")
     return 0
 

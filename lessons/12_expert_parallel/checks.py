@@ -43,23 +43,30 @@ Z_COEF = 1e-3  # ST-MoE's router z-loss coefficient
 # ============================================================================ references
 
 
-def make_inputs(seed: int, world: int, tokens: int, hidden: int, ffn: int, experts: int,
+def make_inputs(seed: int, world: int, tokens: int | list[int], hidden: int, ffn: int, experts: int,
                 device, skew: float = 0.0) -> dict:
     """Every rank's tokens x (world, T, d), loss weights w (world, T, d), the router (d, E) and
-    every expert's w_in (E, d, f), w_out (E, f, d): float64, the same on every rank. skew > 0
-    gives every token a constant feature 1 and the experts of rank 0 a bonus `skew` on it: a
-    router that sends (almost) everything to rank 0."""
+    every expert's w_in (E, d, f), w_out (E, f, d): float64, the same on every rank. tokens a
+    list (one count per rank, uneven or 0): x and w are lists of (T_r, d) tensors instead. skew
+    > 0 gives every token a constant feature 1 and the experts of rank 0 a bonus `skew` on it:
+    a router that sends (almost) everything to rank 0."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(world, tokens, hidden, generator=g, dtype=torch.float64)
+    counts = tokens if isinstance(tokens, list) else [tokens] * world
+    x = torch.randn(sum(counts), hidden, generator=g, dtype=torch.float64)
     router = torch.randn(hidden, experts, generator=g, dtype=torch.float64)
     if skew:
         x[..., 0] = 1.0
         router[0, : max(experts // world, 1)] += skew
-    made = {"x": x, "w": torch.randn(world, tokens, hidden, generator=g, dtype=torch.float64),
-            "router": router,
+    w = torch.randn(sum(counts), hidden, generator=g, dtype=torch.float64)
+    made = {"router": router,
             "w_in": torch.randn(experts, hidden, ffn, generator=g, dtype=torch.float64) / hidden**0.5,
             "w_out": torch.randn(experts, ffn, hidden, generator=g, dtype=torch.float64) / ffn**0.5}
-    return {k: v.to(device) for k, v in made.items()}
+    made = {k: v.to(device) for k, v in made.items()}
+    for name, rows in (("x", x), ("w", w)):
+        rows = rows.to(device)
+        made[name] = (list(rows.split(counts)) if isinstance(tokens, list)
+                      else rows.view(world, tokens, hidden))
+    return made
 
 
 def layer_loss(result: expert_parallel.MoEOutput, w: torch.Tensor, aux_coef: float) -> torch.Tensor:
@@ -70,22 +77,24 @@ def layer_loss(result: expert_parallel.MoEOutput, w: torch.Tensor, aux_coef: flo
 def reference(inputs: dict, top_k: int, capacity_factor: float, aux_coef: float) -> dict:
     """One process, every group through `moe_layer`: outputs, losses, routings, and the
     gradients of sum over groups of `layer_loss` w.r.t. x, the router and every expert."""
-    x = inputs["x"].clone().requires_grad_()
+    x = [rows.clone().requires_grad_() for rows in inputs["x"]]
     params = [inputs[k].clone().requires_grad_() for k in ("router", "w_in", "w_out")]
-    results = [expert_parallel.moe_layer(x[g], *params, top_k, capacity_factor) for g in range(x.shape[0])]
+    results = [expert_parallel.moe_layer(rows, *params, top_k, capacity_factor) for rows in x]
     sum(layer_loss(r, inputs["w"][g], aux_coef) for g, r in enumerate(results)).backward()
     return {"out": [r.out.detach() for r in results], "aux": [r.aux_loss.item() for r in results],
             "z": [r.z_loss.item() for r in results],
             "routing": [(r.routing.experts, r.keep) for r in results],
-            "x_grad": x.grad, "router_grad": params[0].grad, "w_in_grad": params[1].grad,
-            "w_out_grad": params[2].grad}
+            "x_grad": [rows.grad for rows in x], "router_grad": params[0].grad,
+            "w_in_grad": params[1].grad, "w_out_grad": params[2].grad}
 
 
-def run_ep(inputs: dict, top_k: int, capacity_factor: float, aux_coef: float, engine: str) -> dict:
-    """This rank's tokens through `ep_moe_layer` with its shard of the experts; the output,
-    the losses, the gradients (router all-reduced: it is replicated, each rank saw its tokens),
-    what was counted, and the forward's seconds."""
-    ep, rank = dist.get_world_size(), dist.get_rank()
+def run_ep(inputs: dict, top_k: int, capacity_factor: float, aux_coef: float, engine: str,
+           group=None) -> dict:
+    """This rank's tokens through `ep_moe_layer` with its shard of the experts, the ep ranks
+    of `group` (default: the world; inputs hold one group of tokens per rank of it); the
+    output, the losses, the gradients (router all-reduced over the group: it is replicated,
+    each rank saw its tokens), what was counted, and the forward's seconds."""
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
     experts = inputs["w_in"].shape[0]
     shard = slice(rank * experts // ep, (rank + 1) * experts // ep)
     x = inputs["x"][rank].clone().requires_grad_()
@@ -94,12 +103,13 @@ def run_ep(inputs: dict, top_k: int, capacity_factor: float, aux_coef: float, en
     stats = expert_parallel.EPStats()
     started = time.perf_counter()
     result = expert_parallel.ep_moe_layer(x, router, w_in, w_out, experts, top_k, capacity_factor,
-                                          engine, stats)
+                                          engine, stats, group)
     seconds = time.perf_counter() - started
     forward_bytes = stats.traffic.bytes_sent
     layer_loss(result, inputs["w"][rank], aux_coef).backward()
-    dist.all_reduce(router.grad)
-    return {"out": result.out.detach(), "aux": result.aux_loss.item(), "z": result.z_loss.item(),
+    dist.all_reduce(router.grad, group=group)
+    return {"rank": rank, "keep": result.keep, "experts": result.routing.experts,
+            "out": result.out.detach(), "aux": result.aux_loss.item(), "z": result.z_loss.item(),
             "x_grad": x.grad, "router_grad": router.grad, "w_in_grad": w_in.grad, "w_out_grad": w_out.grad,
             "shard": shard, "stats": stats, "forward_bytes": forward_bytes,
             "backward_bytes": stats.traffic.bytes_sent - forward_bytes, "seconds": seconds}
@@ -107,7 +117,7 @@ def run_ep(inputs: dict, top_k: int, capacity_factor: float, aux_coef: float, en
 
 def gaps(run: dict, ref: dict) -> dict:
     """max |diff| of the output (and losses), dX, the router's and this rank's experts' grads."""
-    rank = dist.get_rank()
+    rank = run["rank"]
     return {"out": max(max_abs_diff(run["out"], ref["out"][rank]), abs(run["aux"] - ref["aux"][rank]),
                        abs(run["z"] - ref["z"][rank])),
             "x_grad": max_abs_diff(run["x_grad"], ref["x_grad"][rank]),
@@ -131,7 +141,8 @@ def conservation_checks(run: dict, tokens: int, top_k: int, experts: int) -> lis
                            stats.dropped], dtype=torch.int64, device=run["out"].device)
     dist.all_reduce(totals)
     routed, sent, received, dropped = totals.tolist()
-    every = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)  # k distinct experts per token, as a router picks them
+    every = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     unlimited = expert_parallel.keep_mask(every, experts, expert_parallel.expert_capacity(
         tokens, experts, top_k, math.inf))
     return [Check("tokens conserved: routed = received by experts + dropped, and sent = received",
@@ -275,7 +286,8 @@ def parse_args(argv: list[str] | None = None):
     parser = lesson_parser("Expert parallelism from scratch (a mixture-of-experts layer with "
                            "all-to-all dispatch), checked against the layer in one process.",
                            world_size=4)
-    parser.add_argument("--experts", type=int_in(1, 1024), default=8, help="experts (default 8)")
+    parser.add_argument("--experts", type=int_in(1, 1024), default=None,
+                        help="experts (default 2 per rank: 8 at the default 4 ranks)")
     parser.add_argument("--top-k", type=int_in(1, 64), default=2, help="experts per token (default 2)")
     parser.add_argument("--capacity-factor", type=float_in(0.0, 1e6), default=1.25,
                         help="expert capacity factor; 0 = no limit (default 1.25)")
@@ -288,6 +300,8 @@ def parse_args(argv: list[str] | None = None):
     world = check_args(parser, args)
     if args.quick:
         args.tokens, args.hidden, args.ffn = 8, 8, 16
+    if args.experts is None:  # every world size 1-4 runs with the defaults
+        args.experts = 2 * world
     try:
         expert_parallel.check_experts(args.experts, world, args.top_k)
     except ValueError as exc:

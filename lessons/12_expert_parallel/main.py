@@ -6,7 +6,8 @@ The story, top to bottom:
    E experts (softmax gate), each token goes to its top-k experts (top-1 or top-2), an expert is
    a small MLP, the outputs come back weighted by the gate.
 2. Capacity: an expert takes at most C = ceil(factor T k / E) assignments; the rest are
-   dropped, in a stated order. Two losses keep the router honest: the load-balancing auxiliary
+   dropped, in a stated order (GShard's; Megatron-LM drops the lowest probabilities, and is
+   dropless by default). Two losses keep the router in check: the load-balancing auxiliary
    loss E sum_i f_i P_i and the router z-loss mean (log sum exp logits)^2.
 3. Expert parallel: the E experts sharded over ep ranks. Each rank routes its own tokens, tells
    every rank how many rows it will send to each of its experts (the split sizes, first), sends
@@ -53,15 +54,17 @@ class Routing(NamedTuple):
 # exercise router (3 points): The top-k softmax router and its two losses
 # hint: logits = x @ router_weight, probs = softmax over experts, torch.topk(probs, k);
 #   f_i counts routed assignments (one_hot of the experts, before any dropping) over T k,
-#   P_i = probs.mean(0); z-loss: torch.logsumexp(logits, -1) squared, averaged over tokens.
+#   P_i = probs.mean(0); z-loss: torch.logsumexp(logits, -1) squared per token, then averaged.
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> Routing:
-    """The top-k softmax router. x (T, d), router_weight (d, E).
+    """The top-k softmax router. x (T, d), router_weight (d, E); 2 T d E FLOPs.
 
     logits = x W (T, E); probs = softmax(logits) over the E experts; each token's k experts
     with the largest probabilities (torch.topk: best first) and their gates = those
-    probabilities, NOT renormalised over the k (Switch: gate = p for top-1; Mixtral's top-2
-    renormalises, the same layer up to a per-token scale). Gradients reach the router only
-    through the gates (and the losses below): the choice itself is not differentiable.
+    probabilities, NOT renormalised over the k: Switch's gate (top-1) and Megatron-LM's router
+    with `moe_router_pre_softmax`. Mixtral divides the k gates by their sum (a softmax over the
+    top-k logits), GShard's top-2 by g1 + g2: the same forward output up to a per-token scale,
+    but not the same router gradient. Gradients reach the router only through the gates (and
+    the losses below): the choice itself is not differentiable.
     """
     logits = x @ router_weight
     probs = torch.softmax(logits, dim=-1)
@@ -71,12 +74,16 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> Routing:
 
 # exercise router (continued)
 def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
-    """Switch Transformer's auxiliary loss (eq. 4), GShard's for top-2: E sum_i f_i P_i.
+    """The load-balancing loss E sum_i f_i P_i: Switch Transformer's (eq. 4) for top-1; for
+    top-k with f over all T k assignments, Megatron-LM's `switch_load_balancing_loss_func`.
 
     f_i = (assignments routed to expert i, before capacity drops) / (T k): the fraction of the
     T k assignments expert i was chosen for (a count: no gradient); P_i = (1/T) sum_t probs[t, i]
-    (differentiable). 1 when both are uniform (1/E each); up to E when every token picks one
-    expert with probability 1. Returns a 0-dim tensor; scaled by a coefficient (1e-2) in the loss.
+    (differentiable). 1 when both are uniform (1/E each); below E/k (f_i <= 1/k: a token picks
+    an expert once); not minimal at uniform routing (E = 2, f = (0.6, 0.4), P = (0.3, 0.7):
+    0.92). dL/dP_i = E f_i: the busiest experts' probabilities are pushed down hardest. (GShard
+    counts first choices only; Hugging Face's Mixtral loss is k times this one.) Returns a 0-dim
+    tensor of probs' dtype; weighted by a coefficient (1e-2) in the training loss.
     """
     tokens, top_k = routing.experts.shape
     counts = F.one_hot(routing.experts, num_experts).sum(dim=(0, 1)).to(routing.probs.dtype)
@@ -85,7 +92,7 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
 
 # exercise router (continued)
 def router_z_loss(routing: Routing) -> torch.Tensor:
-    """ST-MoE's router z-loss (arXiv 2202.08906, eq. 5): (1/T) sum_t (log sum_j exp logits[t, j])^2.
+    """ST-MoE's router z-loss (arXiv 2202.08906): (1/T) sum_t (log sum_j exp logits[t, j])^2.
     Keeps the logits small (a float32/bf16 router stays stable); coefficient 1e-3."""
     return torch.logsumexp(routing.logits, dim=-1).square().mean()
 
@@ -99,27 +106,30 @@ def expert_mlp(x: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torc
 # ============================================================================ 2. capacity
 
 
+# exercise capacity (3 points): Capacity and the order in which tokens are dropped
+# hint: C rounds UP (math.ceil) and never exceeds T. keep_mask: flatten the (T, k) choices
+#   choice-major (experts.t().reshape(-1)); one_hot, cumsum over that order gives each
+#   assignment's slot in its expert's buffer; keep slot < capacity.
 def expert_capacity(tokens: int, num_experts: int, top_k: int, factor: float) -> int:
-    """C = ceil(factor T k / E) assignments per expert (Switch: tokens per batch / experts x
-    capacity factor; with top-k, k assignments per token). factor 0 or inf: no limit (C = T,
-    every assignment fits, since a token picks an expert at most once)."""
+    """C = ceil(factor T k / E) assignments per expert, at most T (Switch: tokens per batch /
+    experts x capacity factor; with top-k, k assignments per token, as Megatron-LM's
+    `get_capacity`). factor 0 or inf: no limit (C = T, every assignment fits, since a token
+    picks an expert at most once)."""
     if factor <= 0 or math.isinf(factor):
         return tokens
     return min(tokens, math.ceil(factor * tokens * top_k / num_experts))
 
 
-# exercise capacity (3 points): Capacity and the order in which tokens are dropped
-# hint: flatten the (T, k) choices choice-major (experts.t().reshape(-1)); one_hot, cumsum
-#   over that order gives each assignment's slot in its expert's buffer; keep slot < capacity.
+# exercise capacity (continued)
 def keep_mask(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
     """Which (token, choice) assignments an expert of `capacity` slots takes: bool (T, k).
 
-    Priority (GShard): choice-major, then token order: every token's first choice, tokens
-    0..T-1, then every second choice. An assignment's slot = how many assignments to the same
-    expert come before it in that order; kept iff slot < capacity. So a second choice never
-    displaces a first choice, and among first choices the LATER tokens are dropped. A dropped
-    assignment contributes nothing (gate x 0); a token with all k dropped gets 0 from the layer
-    (the residual connection around it carries the token on).
+    Priority (GShard, Lingvo's `Top2GatingOnLogits`): choice-major, then token order: every
+    token's first choice, tokens 0..T-1, then every second choice. An assignment's slot = how
+    many assignments to the same expert come before it in that order; kept iff slot < capacity.
+    So a second choice never displaces a first choice, and among first choices the LATER tokens
+    are dropped. A dropped assignment contributes nothing (gate x 0); a token with all k dropped
+    gets 0 from the layer (the residual connection around it carries the token on).
     """
     tokens, top_k = experts.shape
     order = F.one_hot(experts.t().reshape(-1), num_experts)  # (k T, E), choice-major
@@ -241,6 +251,9 @@ def ep_moe_layer(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tenso
     3. dispatch: AllToAll of the rows (uneven splits; a rank may receive nothing).
     4. each local expert on its received rows; 5. combine: AllToAll back (splits swapped),
        out[t] += gate * row. Backward: 5 and 3 reversed. stats: counts, dropped, rows per expert.
+    The splits are Python ints: on a GPU that is a device-to-host copy, the CPU waits for the
+    router. engine "p2p" runs on the default group only; "torch" sends nothing through
+    lesson 01's Traffic (stats.traffic stays at 0 bytes).
     """
     ep = dist.get_world_size(group)
     local = num_experts // ep
@@ -275,9 +288,14 @@ def ep_moe_layer(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tenso
 # ============================================================================ 4. the cost model
 
 
+# exercise ep-bytes (2 points): Bytes per rank from the routing
+# hint: dispatch_counts: the kept experts' owners (`expert_owner`), counted per rank. Bytes:
+#   only rows to OTHER ranks travel: this rank's row of the matrix minus its own entry
+#   (dispatch), its column minus its own entry (the combine sends those rows back).
 def dispatch_counts(experts: torch.Tensor, keep: torch.Tensor, num_experts: int, ep: int) -> list[int]:
-    """Rows one rank's routing sends to each of the ep ranks: its kept assignments counted by
-    the owner of their expert (its own rank's entry stays local)."""
+    """Rows one rank's routing sends to each of the ep ranks: a list of ep ints, its kept
+    assignments (experts (T, k), keep (T, k) bool) counted by the owner of their expert
+    (`expert_owner`; its own rank's entry stays local). Sums to keep.sum()."""
     owners = experts[keep] // (num_experts // ep)
     return torch.bincount(owners, minlength=ep).tolist()
 
@@ -289,9 +307,7 @@ class Bytes(NamedTuple):
     backward: int
 
 
-# exercise ep-bytes (2 points): Bytes per rank from the routing
-# hint: only rows to OTHER ranks travel: this rank's row of the matrix minus its own entry
-#   (dispatch), its column minus its own entry (the combine sends those rows back).
+# exercise ep-bytes (continued)
 def ep_bytes_per_rank(rows: list[list[int]], rank: int, hidden: int, itemsize: int,
                       experts_per_rank: int) -> Bytes:
     """Bytes rank `rank` sends, given rows[i][j] = rows rank i dispatches to rank j.
@@ -324,7 +340,9 @@ def balanced_all_to_all_bytes(tokens: int, hidden: int, top_k: int, ep: int, ite
 
 def dense_all_reduce_bytes(tokens: int, hidden: int, tp: int, itemsize: int) -> int:
     """A tensor-parallel dense MLP's forward all-reduce of its (T, d) output, ring (lesson 01):
-    2 (tp - 1)/tp T d itemsize per rank."""
+    2 (tp - 1)/tp T d itemsize per rank. The tp ranks share their T tokens, while each EP rank
+    owns its T: per token processed, EP sends k/ep of TP's bytes (2 (ep-1)/ep k d b against
+    2 (tp-1) d b), and neither moves weights."""
     return 2 * (tp - 1) * tokens * hidden * itemsize // tp
 
 
