@@ -6,6 +6,7 @@ machine's; the shapes teach."""
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def plot_ddp_timelines(bucketed: list[dict], one_bucket: list[dict], path: Path,
         timeline = row["timeline"]
         start, end = timeline["steps"][step]
 
-        def bars(intervals):
+        def bars(intervals, start=start, end=end):
             return [((s - start) * 1e3, (e - s) * 1e3) for s, e in
                     profiling.intersect_intervals(intervals, [(start, end)])]
         for name, colour in PHASE_COLOURS.items():
@@ -70,7 +71,7 @@ def site_figures(out_dir: Path) -> list[dict]:
     one = checks.read_ddp([r["one bucket"][0] for r in per_rank])
     path = out_dir / "ddp_timeline.png"
     plot_ddp_timelines(bucketed, one, path)
-    overlap = [row["overlap"] or 0.0 for row in bucketed], [row["overlap"] or 0.0 for row in one]
+    overlap = [statistics.mean(row["overlap"] or 0.0 for row in rows) for rows in (bucketed, one)]
     return [{
         "file": path.name,
         "alt": ("Four timelines, one per rank and variant, of one DDP step read from the "
@@ -79,7 +80,7 @@ def site_figures(out_dir: Path) -> list[dict]:
                 "red bars. With a bucket per layer the red bars start during backward; with one "
                 "bucket a single red bar starts after backward and is exposed (hatched)."),
         "caption": (f"Lesson 02's BucketedDDP on 2 CPU ranks, a 3-layer MLP of width {width}: "
-                    f"overlap {max(overlap[0]):.0%} with a bucket per layer, {max(overlap[1]):.0%} "
-                    "with one bucket (overlap_fraction on this step's traces; "
+                    f"overlap {overlap[0]:.0%} with a bucket per layer, {overlap[1]:.0%} with one "
+                    "bucket, mean over ranks (overlap_fraction on the traces; "
                     "plot_ddp_timelines). Milliseconds from the machine that built this site."),
     }]

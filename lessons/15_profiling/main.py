@@ -127,6 +127,10 @@ def load_trace(path: Path) -> list[dict]:
     return sorted((e for e in events if e.get("ph") == "X"), key=lambda e: (e["ts"], -e.get("dur", 0)))
 
 
+# exercise read-the-trace (4 points): One rank's trace as intervals of compute and communication
+# hint: merge after sorting by start; a GPU trace has "kernel" events (nccl in the name:
+#   communication); a CPU trace's compute is the main thread's cpu_op events and the phase
+#   ranges minus the c10d:: calls, its communication the gloo: events on gloo's own threads.
 def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
     """The union of intervals as sorted, disjoint intervals: overlapping or touching ones
     ([1, 3] and [3, 4]) become one, empty ones (start == end) vanish, nested ones are absorbed.
@@ -179,10 +183,7 @@ def total(intervals: list[Interval]) -> float:
 COMMUNICATION_OPS = ("c10d::", "nccl:", "gloo:")  # the names torch gives collectives
 
 
-# exercise read-the-trace (4 points): One rank's trace as intervals of compute and communication
-# hint: a GPU trace has "kernel" events (nccl in the name: communication); a CPU trace's
-#   compute is the main thread's cpu_op events minus the c10d:: calls, its communication
-#   the gloo: events on gloo's own threads. Seconds = microseconds / 1e6.
+# exercise read-the-trace (continued)
 def rank_timeline(events: list[dict]) -> dict:
     """One rank's trace (`load_trace`) as intervals in seconds (ts / 1e6, (ts + dur) / 1e6):
     {"compute": merged, "comm": merged, "steps": [(start, end)] of the "ProfilerStep#" ranges
