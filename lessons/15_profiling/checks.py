@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lessons._launch import RankContext, choose_device, inject_fault, launch, one_thread
+from lessons._launch import (
+    RankContext,
+    choose_device,
+    inject_fault,
+    is_reporting_rank,
+    launch,
+    one_thread,
+)
 from lessons._report import (
     Check,
     Report,
@@ -413,7 +420,7 @@ def demo(args, out: Path) -> Report:
                         f"{world} x that"))
     more, roof = roofline_checks(peak, bandwidth, world)
     checks += more
-    if args.out is not None:
+    if args.out is not None and is_reporting_rank():  # under torchrun every rank runs this
         from . import figures
         figures.plot_ddp_timelines(read_ddp([r["ddp"]["bucketed"][0] for r in per_rank]),
                                    read_ddp([r["ddp"]["one bucket"][0] for r in per_rank]),
@@ -469,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.out is None:
             shutil.rmtree(out, ignore_errors=True)
-    if args.out is not None and report.checks:
+    if args.out is not None and is_reporting_rank():
         print(f"traces in {out}: open any rank*.json in https://ui.perfetto.dev (Open trace file)",
               file=sys.stderr)
     return finish(report, args.json, started)

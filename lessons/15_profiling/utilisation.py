@@ -103,14 +103,30 @@ def peak_flops(device_name: str, dtype: str) -> float:
     return peak * DTYPE_RATE[dtype]
 
 
+def time_call(fn, device: torch.device) -> float:
+    """Seconds `fn()` takes: on CUDA between two events on the current stream, read after
+    synchronize (a host clock would time the kernel's launch, not the kernel); elsewhere with
+    time.perf_counter."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
+
+
 # exercise utilisation (continued)
 def matmul_flops_per_s(m: int, n: int, k: int, dtype: torch.dtype = torch.float32,
                        device: torch.device | str = "cpu", iters: int = 5, warmup: int = 2) -> float:
     """FLOP/s of one (m, k) @ (k, n) matmul shape: 2 m n k FLOPs over the FASTEST of `iters`
     timed calls of torch.mm(A, B, out=C), after `warmup` untimed ones, the operands made once,
     outside the timing. Before every call, as mamf-finder.py does, a cache-sized buffer is
-    zeroed (a cold cache, as in a real step) and C is rewritten; only the matmul is timed: on
-    CUDA between two events (read after synchronize), on a CPU with time.perf_counter.
+    zeroed (a cold cache, as in a real step) and C is rewritten; only the matmul is timed, by
+    `time_call` (CUDA events on a GPU, time.perf_counter on a CPU).
     The fastest call is the achievable rate; a shared machine only ever slows a call down."""
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -122,17 +138,7 @@ def matmul_flops_per_s(m: int, n: int, k: int, dtype: torch.dtype = torch.float3
     for index in range(warmup + iters):
         cache.zero_()
         c.copy_(fill)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.mm(a, b, out=c)
-            end.record()
-            torch.cuda.synchronize(device)
-            seconds = start.elapsed_time(end) / 1e3
-        else:
-            started = time.perf_counter()
-            torch.mm(a, b, out=c)
-            seconds = time.perf_counter() - started
+        seconds = time_call(lambda: torch.mm(a, b, out=c), device)
         if index >= warmup:
             best = min(best, seconds)
     return 2 * m * n * k / best

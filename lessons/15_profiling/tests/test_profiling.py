@@ -242,7 +242,7 @@ class TestRankTimeline(unittest.TestCase):
         assert_intervals_equal(self, [c[1:] for c in t["collectives"]],
                                [(0.004, 0.005), (0.0105, 0.0106)], "collectives (start, end)")
 
-    def test_without_profiler_steps_the_busiest_thread_is_the_main_one(self):
+    def test_b_without_profiler_steps_the_busiest_thread_is_the_main_one(self):
         events = [event("aten::mm", 0, 10, tid=5), event("aten::add", 20, 10, tid=5),
                   event("aten::mm", 0, 100, tid=6), event("c10d::broadcast_", 40, 5, tid=5)]
         t = M.rank_timeline(events)
@@ -264,7 +264,7 @@ class TestRankTimeline(unittest.TestCase):
                                "comm = nccl kernels, any case")
         self.assertEqual([c[0] for c in t["collectives"]], ["c10d::allreduce_"])
 
-    def test_real_traces_of_three_ranks_and_a_subgroup(self):
+    def test_c_real_traces_of_three_ranks_and_a_subgroup(self):
         per_rank = collective_traces()
         for rank, events in enumerate(map(rebased, per_rank)):
             ours, theirs = M.rank_timeline(events), reference_timeline(events)
@@ -276,7 +276,7 @@ class TestRankTimeline(unittest.TestCase):
                 expected = 2 * (2 if rank in (0, 2) else 1)  # 2 steps; rank 1 is not in {0, 2}
                 self.assertEqual(len(names), expected, f"rank {rank}: collectives entered {names}")
 
-    def test_real_ddp_traces_with_phases(self):
+    def test_d_real_ddp_traces_with_phases(self):
         runs = demo_runs()
         for rank, result in enumerate(runs):
             events = rebased(result["ddp"]["bucketed"][0]["events"])
@@ -438,7 +438,7 @@ class TestRankGapsOnRealTraces(unittest.TestCase):
 
 
 @exercise("utilisation")
-class TestHardwareFlops(unittest.TestCase):
+class TestRecomputationFlops(unittest.TestCase):
     def count(self, recompute, early_stop=True, layers=3, hidden=12, heads=3, seq=6, batch=3, vocab=17):
         torch.manual_seed(0)
         model = U.flops.tiny_gpt.TinyGPT(vocab, hidden, heads, layers, seq, dropout=0.0, recompute=recompute)
@@ -473,7 +473,7 @@ class TestHardwareFlops(unittest.TestCase):
 
 
 @exercise("utilisation")
-class TestPeakFlops(unittest.TestCase):
+class TestDatasheetPeak(unittest.TestCase):
     def test_dense_peaks_by_dtype(self):
         table = U.flops.DEVICE_PEAK_FLOPS
         for name in ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA H100 PCIe"):
@@ -514,8 +514,8 @@ def reference_mamf(shapes, iters=5, warmup=2) -> float:
 
 
 @exercise("utilisation")
-class TestAchievablePeak(unittest.TestCase):
-    def test_the_fastest_timed_call_after_the_warmup(self):
+class TestMatmulTiming(unittest.TestCase):
+    def test_a_the_fastest_timed_call_after_the_warmup(self):
         # a fake clock: each timed call takes the next duration; the 2 warm-up calls are the
         # fastest (so counting them is caught), the timed ones 5, 3, 4, 6, 9 ms
         durations = [0.001, 0.001, 0.005, 0.003, 0.004, 0.006, 0.009]
@@ -525,14 +525,14 @@ class TestAchievablePeak(unittest.TestCase):
         self.assertAlmostEqual(got, 2 * 8 * 6 * 5 / 0.003, delta=1e-6,
                                msg="2 m n k FLOPs over the fastest timed call (3 ms)")
 
-    def test_the_best_shape_wins(self):
+    def test_b_the_best_shape_wins(self):
         rates = {(1, 1, 1): 5.0, (2, 2, 2): 9.0, (3, 3, 3): 7.0}
         with mock.patch.object(U, "matmul_flops_per_s", lambda m, n, k, *args, **kw: rates[(m, n, k)]):
             self.assertEqual(U.achievable_peak(list(rates)), (9.0, (2, 2, 2)))
         with self.assertRaises(ValueError):
             U.achievable_peak([])
 
-    def test_measured_side_by_side_with_a_reference(self):
+    def test_c_measured_side_by_side_with_a_reference(self):
         """Measured criterion: the learner's achievable_peak and this test's reference_mamf,
         one thread, taking turns 5 times; the median ratio within [0.7, 1/0.7]."""
         shapes = [(256, 256, 256), (384, 384, 384)]
@@ -552,7 +552,7 @@ class TestAchievablePeak(unittest.TestCase):
                         f"{[round(r, 2) for r in ratios]})")
 
     @unittest.skipUnless(torch.cuda.is_available(), "needs a GPU: blocked, not passed")
-    def test_gpu_reaches_half_its_datasheet_bf16_peak(self):
+    def test_d_gpu_reaches_half_its_datasheet_bf16_peak(self):
         """GPU criterion: bf16 matmuls reach at least half the datasheet's dense bf16 peak
         (an H100 SXM reaches about 80%, the ml-engineering book's MAMF table)."""
         name = torch.cuda.get_device_name()
@@ -655,8 +655,8 @@ class TestRoofline(unittest.TestCase):
 
 class TestBenchmark(unittest.TestCase):
     """Measured: the collectives' times read from the traces == lesson 01's timers of the same
-    calls (50 us + 5%), and lesson 01's fit without the middle size predicts it within a
-    factor of 2."""
+    calls (the median point within 50 us + 5%), and lesson 01's fit, left without each inner
+    size in turn, predicts it (the median within a factor of 2)."""
 
     @classmethod
     def setUpClass(cls):
