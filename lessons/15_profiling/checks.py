@@ -230,8 +230,10 @@ def within(a: float, b: float, tolerance: tuple[float, float] = WINDOW_TOLERANCE
     return abs(a - b) <= tolerance[0] + tolerance[1] * abs(b)
 
 
-def ddp_checks(per_rank: list[dict], world: int) -> tuple[list[Check], dict]:
-    """Bucketing seen in the trace, overlap by the numbers, and the trace against the timers."""
+def ddp_checks(per_rank: list[dict], world: int, cuda: bool = False) -> tuple[list[Check], dict]:
+    """Bucketing seen in the trace, overlap by the numbers, and the trace against the timers
+    (on a CPU: on a GPU the host's ranges run ahead of the kernels that lesson 02's CUDA-event
+    timer measures, so the two windows differ by design; the numbers go to the metrics)."""
     pairs = len(per_rank[0]["ddp"]["bucketed"])
     runs = {name: [read_ddp([r["ddp"][name][p] for r in per_rank]) for p in range(pairs)]
             for name in ("bucketed", "one bucket")}
@@ -263,13 +265,16 @@ def ddp_checks(per_rank: list[dict], world: int) -> tuple[list[Check], dict]:
              for t, w in zip(r["trace_wait"], r["timer_wait"])]
     difference = statistics.median(abs(t - w) for t, w in waits)
     typical = statistics.median(w for _, w in waits)
-    checks.append(Check("the trace's wait after backward == lesson 02's timers (median |difference| "
-                        f"<= {WINDOW_TOLERANCE[0] * 1e3:g} ms + {WINDOW_TOLERANCE[1]:.0%})",
-                        within(typical + difference, typical),
-                        f"median |trace - timer| {difference * 1e3:.2f} ms of a median wait of "
-                        f"{typical * 1e3:.1f} ms ({len(waits)} steps x ranks); exposed communication "
-                        "(trace) is the part of that wait with an all-reduce in flight"))
-    metrics = {"overlap_bucketed": statistics.median(overlap["bucketed"]),
+    if not cuda:
+        checks.append(Check("the trace's wait after backward == lesson 02's timers (median "
+                            f"|difference| <= {WINDOW_TOLERANCE[0] * 1e3:g} ms + {WINDOW_TOLERANCE[1]:.0%})",
+                            within(typical + difference, typical),
+                            f"median |trace - timer| {difference * 1e3:.2f} ms of a median wait of "
+                            f"{typical * 1e3:.1f} ms ({len(waits)} steps x ranks); exposed "
+                            "communication (trace) is the part of that wait with an all-reduce "
+                            "in flight"))
+    metrics = {"wait_ms_trace_vs_timer": [difference * 1e3, typical * 1e3],
+               "overlap_bucketed": statistics.median(overlap["bucketed"]),
                "overlap_one_bucket": statistics.median(overlap["one bucket"]),
                "exposed_ms_bucketed": exposed["bucketed"] * 1e3,
                "exposed_ms_one_bucket": exposed["one bucket"] * 1e3}
@@ -409,7 +414,7 @@ def demo(args, out: Path) -> Report:
     with one_thread():  # the peak of one thread: what each CPU rank runs on
         peak, shape = utilisation.achievable_peak(QUICK_SHAPES if args.quick else MAMF_SHAPES)
         bandwidth = bench.memory_bandwidth(1 << (22 if args.quick else 24))
-    checks, metrics = ddp_checks(per_rank, world)
+    checks, metrics = ddp_checks(per_rank, world, cuda=device == "cuda")
     row, straggler = straggler_check([r["straggler"] for r in per_rank], world - 1, args.delay / 1e3)
     checks.append(row)
     more, capstone_metrics = capstone_checks(per_rank, world, args.steps, peak)

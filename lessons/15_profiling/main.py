@@ -189,7 +189,9 @@ def rank_timeline(events: list[dict]) -> dict:
     {"compute": merged, "comm": merged, "steps": [(start, end)] of the "ProfilerStep#" ranges
     in order, "phases": {name: [(start, end)] in order} for the record_function ranges named
     in PHASES, "collectives": [(name, start, end)] of the main thread's cpu_op events whose
-    name starts with "c10d::" (each time this rank entered a collective), in order}.
+    name starts with "c10d::" (each time this rank entered a collective), in order}. Ranges
+    are the host's, cat "user_annotation" (on a GPU the profiler also copies each range that
+    launched kernels onto the GPU's timeline, cat "gpu_user_annotation": not counted twice).
 
     A GPU trace (some event has cat "kernel"): comm = the kernels whose name contains "nccl"
     (any case), compute = the other kernels (HTA's rule). A CPU trace: the main thread is the
@@ -203,10 +205,11 @@ def rank_timeline(events: list[dict]) -> dict:
     def span(event: dict) -> Interval:
         return event["ts"] / 1e6, (event["ts"] + event.get("dur", 0)) / 1e6
 
-    steps = [span(e) for e in events if e["name"].startswith("ProfilerStep#")]
-    phases = {name: [span(e) for e in events if e["name"] == name] for name in PHASES}
+    ranges = [e for e in events if e.get("cat") == "user_annotation"]  # host side, not GPU copies
+    steps = [span(e) for e in ranges if e["name"].startswith("ProfilerStep#")]
+    phases = {name: [span(e) for e in ranges if e["name"] == name] for name in PHASES}
     kernels = [e for e in events if e.get("cat") == "kernel"]
-    threads = [(e["pid"], e["tid"]) for e in events if e["name"].startswith("ProfilerStep#")]
+    threads = [(e["pid"], e["tid"]) for e in ranges if e["name"].startswith("ProfilerStep#")]
     if not threads:
         counts: dict[tuple, int] = {}
         for e in events:
