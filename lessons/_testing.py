@@ -27,6 +27,26 @@ class SharedLaunchFailed(AssertionError):
     """A shared launch that failed once, reported again without being retried."""
 
 
+_SELECTED: dict[str, frozenset[str] | None] = {"exercises": None}
+
+
+def selected_exercises() -> frozenset[str] | None:
+    """The exercises the grader is running alone (`course grade --exercise`, a planted bug, a
+    mutant), or None when the whole suite runs. A suite that shares one launch among all its
+    exercises launches only the selected ones' workers instead (the rest would be wasted)."""
+    return _SELECTED["exercises"]
+
+
+@contextlib.contextmanager
+def selecting(exercises: frozenset[str] | None):
+    """Within: `selected_exercises()` is `exercises` (the grader's side)."""
+    previous, _SELECTED["exercises"] = _SELECTED["exercises"], exercises
+    try:
+        yield
+    finally:
+        _SELECTED["exercises"] = previous
+
+
 def launch_once(fn: Callable) -> Callable:
     """`functools.cache` for a suite's shared launches that also remembers a failure: the first
     caller gets the error (a hang costs its deadline once), every later test of the class or of

@@ -28,6 +28,7 @@ from lessons._testing import (
     exercise,
     launch_once,
     run_under_torchrun,
+    selected_exercises,
 )
 
 M = importlib.import_module("lessons.03_zero.main")  # the technique
@@ -55,7 +56,10 @@ def exercise_results(name: str) -> list[dict]:
     launch; when that launch fails (an exercise raised on a rank: a stub, a crash, or a hang at
     the deadline), each exercise runs alone, so that one exercise's failure never fails
     another's tests; the failing one's tests then report its own error (NotImplementedError
-    for a stub). A failed launch is remembered, never retried (launch_once)."""
+    for a stub). A failed launch is remembered, never retried (launch_once). When the grader
+    runs some exercises alone (a planted bug, `course grade --exercise`), only theirs run."""
+    if selected_exercises() is not None:
+        return [result[name] for result in one_exercise(name)]
     try:
         return [result[name] for result in all_exercises()]
     except (WorkerError, AssertionError):
