@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from lessons._launch import (
     end_torchrun_process,
     is_reporting_rank,
     launch,
+    raised_at,
     under_torchrun,
 )
 
@@ -77,8 +79,10 @@ def float_in(low: float, high: float | None = None) -> Callable[[str], float]:
     return parse
 
 
-def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 64) -> argparse.ArgumentParser:
-    """The flags every multi-process lesson shares (COURSE.md, 'main.py').
+def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 64,
+                  faults: tuple[str, ...] = FAULTS) -> argparse.ArgumentParser:
+    """The flags every multi-process lesson shares (COURSE.md, 'main.py'). `faults`: the
+    choices of --fault (a lesson that injects more kinds of failure lists them).
 
     A lesson adds its own flags with `parser.add_argument`; `--help` lists them first (under
     "options"), then the shared run flags, then the plumbing (report, deadline, fault
@@ -97,7 +101,7 @@ def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 6
     plumbing.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
     plumbing.add_argument("--timeout", type=float_in(1.0, 3600.0), default=60.0,
                           help="per-rank deadline in seconds (default 60)")
-    plumbing.add_argument("--fault", choices=FAULTS,
+    plumbing.add_argument("--fault", choices=faults,
                           help="make one rank fail on purpose, to see how the run ends")
     plumbing.add_argument("--fault-rank", type=int_in(0), default=0,
                           help="the rank --fault applies to (default 0)")
@@ -217,11 +221,20 @@ def run_harness(main_file: str, harness: str = "checks") -> None:
 
 
 def run_body(body: Callable[[], int]) -> int:
-    """A lesson's main body's exit code; a failed rank becomes one clear line and exit code 1."""
+    """A lesson's main body's exit code; a failed rank becomes one clear line and exit code 1.
+    Under torchrun this process is a rank: an exception in it prints its traceback, then
+    "error: rank N failed: <the exception>" (the line a test or a reader looks for)."""
     try:
         return body()
     except WorkerError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        if not under_torchrun():
+            raise
+        traceback.print_exc()
+        summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500] + raised_at(exc.__traceback__)
+        print(f"error: rank {os.environ['RANK']} failed: {summary}", file=sys.stderr)
         return 1
 
 

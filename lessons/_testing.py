@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +21,56 @@ from pathlib import Path
 from lessons._report import merge_rank_checks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class SharedLaunchFailed(AssertionError):
+    """A shared launch that failed once, reported again without being retried."""
+
+
+_SELECTED: dict[str, frozenset[str] | None] = {"exercises": None}
+
+
+def selected_exercises() -> frozenset[str] | None:
+    """The exercises the grader is running alone (`course grade --exercise`, a planted bug, a
+    mutant), or None when the whole suite runs. A suite that shares one launch among all its
+    exercises launches only the selected ones' workers instead (the rest would be wasted)."""
+    return _SELECTED["exercises"]
+
+
+@contextlib.contextmanager
+def selecting(exercises: frozenset[str] | None):
+    """Within: `selected_exercises()` is `exercises` (the grader's side)."""
+    previous, _SELECTED["exercises"] = _SELECTED["exercises"], exercises
+    try:
+        yield
+    finally:
+        _SELECTED["exercises"] = previous
+
+
+def launch_once(fn: Callable) -> Callable:
+    """`functools.cache` for a suite's shared launches that also remembers a failure: the first
+    caller gets the error (a hang costs its deadline once), every later test of the class or of
+    the module gets it again at once, named, instead of relaunching and waiting out the
+    deadline again (five tests of a class sharing one hung launch cost one deadline, not five)."""
+    results: dict = {}
+    failures: dict = {}
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key in failures:
+            raise SharedLaunchFailed(f"{fn.__name__}{args or ''} failed earlier in this run and is not "
+                                     f"retried: {failures[key]}")
+        if key not in results:
+            try:
+                results[key] = fn(*args, **kwargs)
+            except Exception as exc:
+                failures[key] = f"{type(exc).__name__}: {exc}"
+                raise
+        return results[key]
+
+    wrapper.cache_clear = lambda: (results.clear(), failures.clear())
+    return wrapper
 
 
 def assert_every_check_passes(case: unittest.TestCase, results_by_world: dict[int, list[dict]]) -> None:
@@ -103,8 +155,85 @@ def run_under_torchrun(script: Path, args: list[str], nproc_per_node: int = 2, n
         if any(code != 0 for code in codes) or not report.exists():
             tails = "\n".join(f"--- torchrun node {node} (exit {code}):\n{output[-3000:]}"
                               for node, (code, output) in enumerate(zip(codes, outputs)))
-            raise AssertionError(f"torchrun run failed: {' '.join(lesson_args)}\n{tails}")
+            raise AssertionError(f"torchrun run failed: {rank_error(outputs)} "
+                                 f"(exit codes {codes}; {' '.join(lesson_args)})\n{tails}")
         return json.loads(report.read_text())
+
+
+def rank_error(outputs: list[str]) -> str:
+    """The failing rank's own error from torchrun's output: the one-line "error: rank N
+    failed: ..." a lesson prints, else the last exception line a rank printed (torchrun's
+    own ChildFailedError summary is skipped: it only says that a child failed)."""
+    text = "\n".join(outputs)
+    ours = re.findall(r"^(?:\[[^\]]*\]:?\s*)?error: (rank \d+ failed: .+)$", text, re.MULTILINE)
+    if ours:
+        return ours[0].strip()
+    raised = [line.strip() for line in re.findall(
+        r"^(?:\[[^\]]*\]:?\s*)?((?:[A-Za-z_.]+)?(?:Error|Exception|Interrupt)\b: .+)$", text, re.MULTILINE)
+        if "ChildFailedError" not in line]
+    return raised[0] if raised else "no rank printed an error (see the output below)"
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux /proc)."""
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+    except OSError:
+        return False
+
+
+def rank_of(pid: int) -> int | None:
+    """A launcher child's rank, read from the per-rank stack file it keeps open."""
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd)
+            if target.endswith(".stacks") and "/rank" in target:
+                return int(target.rsplit("/rank", 1)[1].split(".")[0])
+    except OSError:
+        return None
+    return None
+
+
+def spawned_workers(pid: int) -> list[int]:
+    """Descendants that are launcher ranks: processes holding a rank's stack file open (forked
+    from the forkserver or spawned; not the forkserver itself, not the resource tracker)."""
+    return [child for child in descendants(pid) if rank_of(child) is not None]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (a test's unique directory: torchrun
+    agents and their workers carry it in their arguments)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
 
 
 def _loopback_name() -> str:
