@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
 import math
@@ -38,7 +39,7 @@ from lessons._report import (
     world_size_of,
 )
 
-from . import flops, nd, nd_checks, planner_checks
+from . import flops, nd, nd_checks, nd_model, planner_checks
 from . import main as capstone
 
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # lesson 06's technique
@@ -128,6 +129,8 @@ def train_worker(ctx: RankContext, config: dict, layout: dict | None, ckpt_dir: 
                    "sha256": tensor_digest(dict(trainer.stage.named_parameters()))}
     result = {"rank": ctx.rank, "param_sha256": tensor_digest(dict(model.named_parameters())),
               "replica": replica, "resumed_from": resumed_from}
+    if layout is not None and ctx.rank == 0:  # the same model trained by one process
+        result["one_process"] = nd_checks.one_process_gap(trainer, model, data[:split])
     if ctx.rank == 0:
         per_token = flops.flops_per_token(n_matmul, config.layers, config.hidden, config.seq)
         on_gpu = ctx.device.type == "cuda"
@@ -137,6 +140,45 @@ def train_worker(ctx: RankContext, config: dict, layout: dict | None, ckpt_dir: 
                       sample=sample(model, tokenizer, "MARCIUS:\n", sample_chars, config.seq,
                                     config.seed) if sample_chars else "")
     return result
+
+
+def accumulation_worker(ctx: RankContext, accum: int, clip: float) -> dict:
+    """One rank of the tests' multi-rank check of main.accumulation_step: lesson 02's
+    BucketedDDP over every rank, this rank's rows of a global batch of world x accum x 2
+    sequences (float64, SGD(lr=1): the update is the gradient), and the step of the whole
+    batch in one process, computed here too. Returns {"weights": max |ours - one process|,
+    "moved": max |update|, "loss": what the step returned, "expected_loss": the mean of this
+    rank's micro-batches' losses}."""
+    torch.manual_seed(0)
+    model = capstone.tiny_gpt.TinyGPT(13, 12, 3, 1, 7, dropout=0.0).double()  # sizes 3 does not divide
+    reference = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(5)
+    rows = ctx.world_size * accum * 2
+    tokens = torch.randint(0, 13, (rows, 7), generator=generator)  # every row differs
+    targets = torch.randint(0, 13, (rows, 7), generator=generator)
+
+    def loss_of(net: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = net(x)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    mine = list(zip(tokens.chunk(ctx.world_size)[ctx.rank].chunk(accum),
+                    targets.chunk(ctx.world_size)[ctx.rank].chunk(accum)))
+    with torch.no_grad():
+        expected_loss = sum(float(loss_of(reference, x, y)) for x, y in mine) / accum
+    loss_of(reference, tokens, targets).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+    with torch.no_grad():
+        for param in reference.parameters():
+            param -= param.grad
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    ddp = capstone.data_parallel.BucketedDDP(model, bucket_cap_bytes=2048)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    loss = capstone.accumulation_step(ddp, model, optimizer, scheduler, mine, clip)
+    state, theirs = model.state_dict(), reference.state_dict()
+    return {"weights": max(float((state[k] - theirs[k]).abs().max()) for k in state),
+            "moved": max(float((state[k] - start[k]).abs().max()) for k in state),
+            "loss": float(loss), "expected_loss": expected_loss}
 
 
 def mfu_metric(tokens_per_s: float | None, per_token: int, world: int,
@@ -222,6 +264,8 @@ def parse_args(argv: list[str] | None = None):
     planner_checks.add_plan_arguments(parser)
     args = parser.parse_args(argv)
     check_args(parser, args)
+    if args.simulate and not args.plan:
+        parser.error("--simulate checks the planner's layouts: use it with --plan")
     if args.plan:  # the planner prints and exits: no run to check
         try:
             args.plan_text = planner_checks.plan_from_args(args)
@@ -257,19 +301,21 @@ def layout_from(parser, args) -> nd.Layout | None:
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != layout.world:
         parser.error(f"layout {layout} needs {layout.world} ranks; torchrun started "
                      f"{os.environ['WORLD_SIZE']}")
-    if args.heads % layout.tp:
-        parser.error(f"--heads {args.heads} is not divisible by --tp {layout.tp}")
-    if args.layers % layout.pp:
-        parser.error(f"--layers {args.layers} is not divisible by --pp {layout.pp}")
-    if args.seq % (2 * layout.cp):  # lesson 11's zig-zag: 2 cp chunks
-        parser.error(f"--seq {args.seq} is not divisible by 2 x cp = {2 * layout.cp}")
-    if (args.seq // layout.cp) % layout.tp:  # sequence parallel splits a cp rank's positions
-        parser.error(f"--seq {args.seq} / cp = {args.seq // layout.cp} positions do not split over "
-                     f"tp = {layout.tp}")
+    try:
+        nd.check_layout(nd_config(args), layout)  # heads = --heads, microbatches = --accum, ...
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.ddp != "ours":
         parser.error(f"--ddp {args.ddp} picks the data-parallel run's engine; the N-D run is nd.py's")
     args.world_size, args.dropout = layout.world, 0.0  # the layout sets the ranks; no dropout in N-D
     return layout
+
+
+def nd_config(args):
+    """The N-D model and run the flags describe (nd_model.GPTConfig; vocabulary: the corpus's)."""
+    return nd_model.GPTConfig(
+        hidden=args.hidden, heads=args.heads, layers=args.layers, seq=args.seq,
+        global_batch=args.global_batch, microbatches=args.accum, steps=args.steps)
 
 
 def config_from(args) -> capstone.GPTRunConfig:
@@ -315,9 +361,8 @@ def why_no_resume_check(args, device_name: str, ckpt: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    if args.plan:
-        print(args.plan_text)
-        return 0
+    if args.plan:  # the plan, and with --simulate its layouts run on fake tensors
+        return planner_checks.plan_main(args)
     config = config_from(args)
     scratch = Path(tempfile.mkdtemp(prefix="capstone-"))
     out = args.out if args.out is not None else scratch / "out"
@@ -345,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         checks.append(Check("held-out loss went down", end_val < start_val - 0.3,
                             f"{start_val:.3f} -> {end_val:.3f} nats/char (uniform: "
                             f"{math.log(first['vocab']):.3f})"))
+        gap = first.get("one_process")
+        if gap is not None and gap["passed"] is not None:
+            checks.append(Check(f"layout {args.layout} == one process (same model and batches)",
+                                gap["passed"], gap["detail"]))
         resume_check = why_no_resume_check(args, first["device_name"], ckpt)
         if resume_check is None:
             resumed = resume_from_middle(args, config, ckpt, scratch)
@@ -368,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             "resumed_from": first["resumed_from"], "resume_check": resume_check,
             "config": dataclasses.asdict(config), "out": str(out), "sample": first["sample"],
             "layout": None if args.layout is None else dataclasses.asdict(args.layout),
+            "one_process": first.get("one_process"),
             "headline": f"held-out {start_val:.3f} -> {end_val:.3f} nats/char; "
                         f"{first['tokens_per_s'] or 0:,.0f} tokens/s"}
         device = first["device_name"]

@@ -85,7 +85,7 @@ class GPTRunConfig:
     hidden: int = 64
     heads: int = 4
     seq: int = 64
-    global_batch: int = 16  # sequences per optimizer step, over all ranks and micro-batches
+    global_batch: int = 24  # sequences per optimizer step: 1-4 ranks x 2 micro-batches divide it
     accum: int = 2  # micro-batches per rank per step
     steps: int = 80
     lr: float = 1e-2

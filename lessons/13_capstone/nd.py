@@ -5,27 +5,30 @@ imported from its lesson, on one DeviceMesh whose four dimensions are nested lik
 (outermost first): pp, dp, cp, tp. In the order a step meets them:
 
 1. the mesh: `Layout` (dp, tp, pp, cp; their product is the world size), each rank's
-   coordinates, and which ranks share each dimension (a pure enumeration a test holds
-   `init_device_mesh`'s groups to);
+   coordinates, and which ranks share each dimension or several (a pure enumeration a test
+   holds `init_device_mesh`'s groups to); `check_layout`, what a model needs of a layout;
 2. the model, one process: nd_model.py's `GPT` (token and position tables, pre-norm blocks,
    final norm, untied head), the run every layout must reproduce;
 3. one rank's part: the blocks of its pipeline stage (lesson 05's split), each a lesson 04
    sequence-parallel block over tp whose attention is lesson 11's ring over cp; its tokens
    are the zig-zag positions of its cp rank, then its tp rank's contiguous piece of them;
 4. the step: lesson 05's 1F1B `pipeline_step` over pp (its micro-batches are the gradient
-   accumulation), then the gradients summed where they are partial (tp for the replicated
-   parameters under sequence parallelism, cp for all), ZeRO-1 over dp (lesson 03: reduce-
-   scatter the mean, AdamW on the shard, all-gather), global-norm clipping with every
-   gradient element counted once, and the logged loss reduced over tp, cp and dp and sent
-   from the last stage to every rank;
+   accumulation) on a loss summed over this rank's real targets and divided by the global
+   batch's count of them (torchtitan's convention: padding and packed documents weigh what
+   they weigh in one process), then the replicated parameters' gradients summed over tp
+   (sequence parallelism), ZeRO-1 over dp x cp, the ranks that split the data (lesson 03:
+   reduce-scatter the sum, AdamW on the shard, all-gather; torchtitan folds cp into its FSDP
+   group the same way), global-norm clipping with every gradient element counted once, and
+   the logged loss summed over tp, cp and dp and sent from the last stage to every rank;
 5. checkpoints that name where each shard lives in the global tensors (nd_placement.py), so
    a run saved in one layout resumes in another (lesson 06's protocol writes and verifies the
    files).
 
 Simplified against Megatron-LM and torchtitan: the vocabulary is not split over tp (every tp
 rank holds both tables and the head), no dropout (with TP it needs per-region RNG streams),
-one model chunk per stage, ZeRO-1 only, attention in fp32 under bf16 autocast, and
-point-to-point rings rather than fused kernels.
+one model chunk per stage, ZeRO-1 only, attention in fp32 under bf16 autocast, causal
+attention across the documents of a packed row (their targets at the boundaries are ignored,
+their attention is not masked), and point-to-point rings rather than fused kernels.
 """
 
 from __future__ import annotations
@@ -90,16 +93,41 @@ class Layout:
 
 
 # exercise compose-step (7 points): The mesh's groups; where the gradients, the norm and the loss are partial
-# hint: fix every other coordinate, vary `dim`'s from 0 to its size - 1 (Layout.rank_of).
-def dimension_groups(layout: Layout, dim: str) -> list[list[int]]:
-    """The groups of ranks that share every coordinate but `dim`'s: the ranks one collective
-    over `dim` spans (e.g. tp on dp2 x tp2: [[0, 1], [2, 3]]; dp: [[0, 2], [1, 3]])."""
-    others = [d for d in DIMS if d != dim]
+# hint: fix every other coordinate, vary the given ones (the first named outermost) through
+#   their sizes (Layout.rank_of).
+def dimension_groups(layout: Layout, dims: str | tuple[str, ...]) -> list[list[int]]:
+    """The groups of ranks that share every coordinate but those of `dims` (one dimension, or
+    several: ("dp", "cp"), the ranks that split the data): the ranks one collective over
+    them spans, each group in the order of the varied coordinates, the first of `dims`
+    outermost (dp2 x cp3: rank of (dp, cp) at index dp * 3 + cp). Every rank in exactly one
+    group; groups ordered by the fixed coordinates, row-major over DIMS. E.g. dp2 x tp2: tp
+    [[0, 1], [2, 3]], dp [[0, 2], [1, 3]], ("dp", "tp") [[0, 1, 2, 3]]."""
+    varied = (dims,) if isinstance(dims, str) else tuple(dims)
+    others = [d for d in DIMS if d not in varied]
     groups = []
     for values in itertools.product(*(range(getattr(layout, d)) for d in others)):
         fixed = dict(zip(others, values))
-        groups.append([layout.rank_of({**fixed, dim: i}) for i in range(getattr(layout, dim))])
+        groups.append([layout.rank_of({**fixed, **dict(zip(varied, index))})
+                       for index in itertools.product(*(range(getattr(layout, d)) for d in varied))])
     return groups
+
+
+def check_layout(config: nd_model.GPTConfig, layout: Layout) -> None:
+    """ValueError, one line naming the sizes, unless `config` splits over `layout`: heads over
+    tp (Megatron-LM and torch's TP split whole heads, and lesson 04's blocks refuse the rest),
+    layers over pp, seq into 2 cp zig-zag chunks (lesson 11), each cp rank's seq / cp positions
+    over tp (sequence parallelism), the global batch over dp replicas x micro-batches. The
+    hidden size and the vocabulary need not divide: ZeRO's shards are uneven (shard_bounds)."""
+    needs = [(config.heads, layout.tp, "heads", "tp"), (config.layers, layout.pp, "layers", "pp"),
+             (config.seq, 2 * layout.cp, "seq", "2 x cp"),
+             (config.global_batch, layout.dp * config.microbatches, "global_batch",
+              "dp x microbatches")]
+    for value, by, name, what in needs:
+        if value % by:
+            raise ValueError(f"layout {layout}: {name} = {value} is not divisible by {what} = {by}")
+    if (config.seq // layout.cp) % layout.tp:
+        raise ValueError(f"layout {layout}: seq / cp = {config.seq // layout.cp} positions do not "
+                         f"split over tp = {layout.tp}")
 
 
 def build_mesh(layout: Layout, device_type: str):
@@ -164,7 +192,9 @@ class ParallelBlock(tensor_parallel.SequenceParallelBlock):
         self.cp_group, self.seq = cp_group, seq
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """(s / cp, b, heads d) each -> the same shape, heads folded into the ring's batch."""
+        """(s / cp, b, heads d) each -> the same shape, heads folded into the ring's batch. Under
+        the stage's bf16 autocast this turns autocast off and runs the ring in fp32 (its running
+        output and log-sum-exp keep the inputs' dtype), then casts back."""
         s, b, width = q.shape
         d = width // self.heads
 
@@ -187,8 +217,9 @@ class ParallelBlock(tensor_parallel.SequenceParallelBlock):
 class Stage(nn.Sequential):
     """This rank's part of the model: [Embedding] (stage 0), its L / pp ParallelBlocks, [Head]
     (last stage). `placements` lists (parameter, nd_placement.Placement) in parameter order.
-    `bf16`: the forward under bf16 autocast (on GPUs, as main.py's run), its output in the
-    parameters' dtype (what the pipeline sends and the loss reads)."""
+    `bf16`: the forward under bf16 autocast (on GPUs, as main.py's run; each block's attention
+    turns it off again), its output in the parameters' dtype (what the pipeline sends and the
+    loss reads: the logits in fp32 or fp64)."""
 
     def __init__(self, gpt: nd_model.GPT, layout: Layout, coords: dict[str, int],
                  tp: tensor_parallel.TensorParallelGroup, cp_group: dist.ProcessGroup,
@@ -225,23 +256,27 @@ class Stage(nn.Sequential):
 # ============================================================================ 4. the step
 
 
-def rank_batch(windows: torch.Tensor, layout: Layout, coords: dict[str, int], microbatches: int,
+def rank_batch(batch, layout: Layout, coords: dict[str, int], microbatches: int,
                positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's micro-batches of the global batch `windows` (B, seq + 1): its dp replica's
-    rows, cut into `microbatches`, at its `positions`: [(tokens (b, n), targets (b, n))]."""
-    rows = windows.chunk(layout.dp)[coords["dp"]]
-    if rows.shape[0] % microbatches:
-        raise ValueError(f"{rows.shape[0]} sequences per dp replica do not split into "
-                         f"{microbatches} micro-batches")
-    return [(mb[:, :-1][:, positions], mb[:, 1:][:, positions]) for mb in rows.chunk(microbatches)]
+    """This rank's micro-batches of the global batch (windows (B, seq + 1) or (tokens, targets),
+    nd_model.inputs_and_targets): its dp replica's B / dp rows, cut into `microbatches`, at
+    its `positions`: [(tokens (b, n), targets (b, n))]."""
+    tokens, targets = nd_model.inputs_and_targets(batch)
+    if tokens.shape[0] % (layout.dp * microbatches):
+        raise ValueError(f"{tokens.shape[0]} sequences do not split over dp = {layout.dp} "
+                         f"replicas x {microbatches} micro-batches")
+    mine = [t.chunk(layout.dp)[coords["dp"]][:, positions].chunk(microbatches) for t in (tokens, targets)]
+    return list(zip(*mine))
 
 
 class ZeroOverGroup(zero.ZeroStage1):
-    """Lesson 03's ZeRO-1 over the dp ranks of a mesh: the same shards (shard_bounds of each
-    flattened parameter), the same step, with torch.distributed's reduce-scatter and
-    all-gather on the dp group (lesson 01's rings run on the default group only). Uneven
-    shards are padded to the largest for the collective. No broadcast: every rank already
-    holds the same initial weights."""
+    """Lesson 03's ZeRO-1 over a group of a mesh (nd.py: dp x cp, the ranks that split the
+    data): the same shards (shard_bounds of each flattened parameter over the group), the
+    same step, with torch.distributed's reduce-scatter and all-gather on the group (lesson
+    01's rings run on the default group only). Uneven shards are padded to the largest for
+    the collective. The reduce-scatter SUMS: each rank's loss is already divided by the global
+    token count (torchtitan sets FSDP's gradient divide factor to 1 for the same reason). No
+    broadcast: every rank already holds the same initial weights."""
 
     def __init__(self, named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup,
                  make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
@@ -255,6 +290,7 @@ class ZeroOverGroup(zero.ZeroStage1):
         self.optimizer = make_optimizer(self.shards)
 
     def padded(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """flat (n,) -> rows (world, ceil(n / world)), row r = rank r's shard then zeros."""
         bounds = collectives.chunk_bounds(flat.numel(), self.world)
         width = max(end - start for start, end in bounds)
         rows = flat.new_zeros(self.world, width)
@@ -263,14 +299,17 @@ class ZeroOverGroup(zero.ZeroStage1):
         return rows, bounds
 
     def reduce_scatter_gradients(self) -> None:
+        """Per parameter (one at a time: no buffer of every gradient at once), my shard of the
+        SUM of the group's gradients, then param.grad = None."""
         for (_, param), shard in zip(self.named, self.shards):
             rows, _ = self.padded(param.grad.reshape(-1))
             mine = rows.new_empty(rows.shape[1])
             dist.reduce_scatter_single(mine, rows.reshape(-1), group=self.group)
-            shard.grad = mine[:shard.numel()] / self.world
+            shard.grad = mine[:shard.numel()]  # the sum over the group
             param.grad = None
 
     def all_gather_parameters(self) -> None:
+        """Per parameter, every rank's updated shard copied into the full parameter in place."""
         for (_, param), shard in zip(self.named, self.shards):
             rows, bounds = self.padded(torch.zeros(param.numel(), dtype=param.dtype,
                                                    device=param.device))
@@ -283,65 +322,79 @@ class ZeroOverGroup(zero.ZeroStage1):
 
 
 class NDTrainer:
-    """One rank's training on the mesh: `train_step(windows)` takes the step's global batch
-    (B, seq + 1), the same on every rank, and returns (loss, gradient norm) of the whole
-    batch on every rank. `bf16` (default: on GPUs) runs each stage's forward under bf16
-    autocast, attention in fp32. Lesson 06's Checkpointer uses shard_state() / load_shards(),
-    `step`, `rank`, `world` and `config.fingerprint()`."""
+    """One rank's training on the mesh: `train_step(batch)` takes the step's global batch
+    (windows (B, seq + 1) or (tokens, targets), nd_model.inputs_and_targets), the same on
+    every rank, and returns (loss, gradient norm) of the whole batch on every rank. `bf16`
+    (default: on GPUs) runs each stage's forward under bf16 autocast, attention in fp32.
+    `groups`: the mesh's group of each dimension and "dp_cp", the ranks that split the data
+    (ZeRO's group). Lesson 06's Checkpointer uses shard_state() / load_shards(), `step`,
+    `rank`, `world` and `config.fingerprint()`."""
 
     def __init__(self, config: nd_model.GPTConfig, layout: Layout, mesh, device: torch.device,
                  dtype: torch.dtype = torch.float32, bf16: bool | None = None):
+        check_layout(config, layout)
         self.config, self.layout, self.device = config, layout, device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.coords = layout.coordinates(self.rank)
         self.mesh, self.groups = mesh, {dim: mesh.get_group(dim) for dim in DIMS}
+        self.groups["dp_cp"], _ = dist.new_subgroups_by_enumeration(  # every rank makes every group
+            dimension_groups(layout, ("dp", "cp")))
         tp = tensor_parallel.TensorParallelGroup.join(self.groups["tp"])
         bf16 = device.type == "cuda" if bf16 is None else bf16  # bf16 autocast on GPUs
         self.stage = Stage(nd_model.build_gpt(config, dtype), layout, self.coords, tp,
                            self.groups["cp"], bf16).to(device)
         self.positions = local_positions(config.seq, layout, self.coords["cp"], self.coords["tp"])
         named = [(p.name, param) for param, p in self.stage.placements]
-        self.zero = ZeroOverGroup(named, self.groups["dp"], lambda shards: nd_model.adamw(
+        self.zero = ZeroOverGroup(named, self.groups["dp_cp"], lambda shards: nd_model.adamw(
             [(shard, len(p.shape)) for shard, (_, p) in zip(shards, self.stage.placements)], config))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.zero.optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
         self.order = pipeline.one_f_one_b_order(layout.pp, config.microbatches)[self.coords["pp"]]
         self.first, self.last = self.coords["pp"] == 0, self.coords["pp"] == layout.pp - 1
+        self.tokens = torch.ones((), dtype=torch.int64, device=device)  # set by train_step
         self.step = 0
 
+    # exercise compose-step (continued)
+    # hint: every micro-batch, dp replica, cp chunk and tp piece holds a different number of
+    #   real targets: divide a SUM by the global count; pipeline_step divides by m.
     def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's share of its dp replica's micro-batch loss: the sum of cross-entropy
-        over its n positions / (b seq), so the shares summed over tp and cp are the mean."""
-        b = targets.shape[0]
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.t().reshape(-1),
-                               reduction="sum") / (b * self.config.seq)
+        """pipeline_step's loss for one micro-batch on the last stage: logits (n, b, vocab) at
+        this rank's n positions, targets (b, n) with nd_model.IGNORE_INDEX where a position
+        predicts nothing. This rank's share of the step's loss is the sum of cross-entropy over
+        its real targets divided by self.tokens, the count of real targets in the whole global
+        batch (0-d tensor): the shares summed over micro-batches, tp, cp and dp are the
+        one-process mean over real targets, whatever each piece holds (a mean of per-rank
+        means is not, once the counts differ; a piece with none adds 0). pipeline_step divides
+        what this returns by m (the mean of m equal micro-batches), so return m x the share."""
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.t().reshape(-1),
+                                reduction="sum", ignore_index=nd_model.IGNORE_INDEX)
+        return total * self.config.microbatches / self.tokens
 
     # exercise compose-step (continued)
     # hint: a gradient is partial over every dimension that split the work computing it and
-    #   replicated over the others; count each element of the norm once; the loss lives on
-    #   the last stage only.
+    #   replicated over the others; ZeRO's group (dp x cp) sums what the data split.
     def reduce_gradients(self) -> None:
-        """Sum the partial gradients: tp for replicated parameters (each tp rank saw 1/tp of
-        the positions), then cp for all (each cp rank saw 1/cp of the sequence). One
-        all-reduce of everything flattened per dimension."""
+        """Sum the replicated parameters' partial gradients over tp (sequence parallelism: each
+        tp rank ran them on 1/tp of the positions) in one all-reduce of them flattened. The
+        split weights are whole over tp already; dp and cp (each rank a share of the tokens)
+        are summed next, by ZeRO's reduce-scatter over the dp x cp group."""
         replicated = [p for p, placement in self.stage.placements if placement.dim is None]
-        for params, dim in ((replicated, "tp"), ([p for p, _ in self.stage.placements], "cp")):
-            flat = torch.cat([p.grad.reshape(-1) for p in params])
-            dist.all_reduce(flat, group=self.groups[dim])
-            for param, summed in zip(params, flat.split([p.numel() for p in params])):
-                param.grad.copy_(summed.view_as(param))
+        flat = torch.cat([p.grad.reshape(-1) for p in replicated])
+        dist.all_reduce(flat, group=self.groups["tp"])
+        for param, summed in zip(replicated, flat.split([p.numel() for p in replicated])):
+            param.grad.copy_(summed.view_as(param))
 
     # exercise compose-step (continued)
     def clip(self) -> torch.Tensor:
         """Global-norm clipping on ZeRO's shards: ||g||^2 counts every element of the model's
-        gradient once: each dp rank its shard, each tp rank its piece (replicated tensors on
-        tp rank 0 only), each stage its layers, cp rank 0 only (cp ranks hold the same sums).
-        One all-reduce of one number over the world."""
+        gradient once: each dp x cp rank its shard, each tp rank its piece (replicated tensors
+        on tp rank 0 only), each stage its layers. One all-reduce of one number (fp64) over
+        the world, then every shard times min(1, clip / (||g|| + 1e-6)), torch's
+        clip_grad_norm_ rule. Returns ||g|| (0-d) before clipping."""
         squares = torch.zeros(1, dtype=torch.float64, device=self.device)
-        if self.coords["cp"] == 0:
-            for shard, (_, placement) in zip(self.zero.shards, self.stage.placements):
-                if placement.dim is not None or self.coords["tp"] == 0:
-                    squares += shard.grad.double().pow(2).sum()
+        for shard, (_, placement) in zip(self.zero.shards, self.stage.placements):
+            if placement.dim is not None or self.coords["tp"] == 0:
+                squares += shard.grad.double().pow(2).sum()
         dist.all_reduce(squares)
         norm = squares.sqrt()[0]
         scale = (self.config.clip / (norm + 1e-6)).clamp(max=1.0)
@@ -351,28 +404,33 @@ class NDTrainer:
 
     # exercise compose-step (continued)
     def logged_loss(self, losses: list[float]) -> float:
-        """The whole batch's mean loss on every rank: the last stage's shares summed over tp
-        and cp, averaged over dp, then broadcast from the last stage over pp."""
+        """The whole batch's mean loss on every rank: `losses` are loss_fn's values of this
+        rank's micro-batches (last stage; [] elsewhere), m x its shares: their sum / m summed
+        over tp, cp and dp, then broadcast from the last stage over pp."""
         value = torch.tensor([sum(losses) / self.config.microbatches if self.last else 0.0],
                              dtype=torch.float64, device=self.device)
         for dim in ("tp", "cp", "dp"):
             dist.all_reduce(value, group=self.groups[dim])
-        value /= self.layout.dp
         dist.broadcast(value, dist.get_global_rank(self.groups["pp"], self.layout.pp - 1),
                        group=self.groups["pp"])
         return value.item()
 
-    def train_step(self, windows: torch.Tensor) -> tuple[float, float]:
+    def train_step(self, batch) -> tuple[float, float]:
+        """One optimizer step on the global batch (every rank passes the same): 1F1B over pp,
+        the tp sums, ZeRO over dp x cp, clipping, AdamW, the schedule. Returns (loss, norm)."""
+        _, targets = nd_model.inputs_and_targets(batch)
+        # every rank holds the global batch, so it counts the real targets without a message
+        # (torchtitan's ranks load only their rows and all-reduce the count over dp)
+        self.tokens = (targets != nd_model.IGNORE_INDEX).sum().to(self.device)
         micro = [(x.to(self.device), y.to(self.device)) for x, y in
-                 rank_batch(windows, self.layout, self.coords, self.config.microbatches,
-                            self.positions)]
+                 rank_batch(batch, self.layout, self.coords, self.config.microbatches, self.positions)]
         b, n, h = micro[0][0].shape[0], self.positions.numel(), self.config.hidden
         result = pipeline.pipeline_step(
             self.stage, self.order, [x for x, _ in micro] if self.first else None,
             [y for _, y in micro] if self.last else None, self.loss_fn, (n, b, h),
             group=self.groups["pp"])
-        self.reduce_gradients()  # tp (sequence parallel) and cp partial sums
-        self.zero.reduce_scatter_gradients()  # dp: my shard of the mean
+        self.reduce_gradients()  # tp: the replicated parameters' partial sums
+        self.zero.reduce_scatter_gradients()  # dp x cp: my shard of the sum
         norm = self.clip()
         self.zero.step_shards()  # AdamW on my shard
         self.zero.all_gather_parameters()

@@ -2,8 +2,10 @@
 
 `GPTConfig` (the model and the run), `GPT` (token and position tables, pre-norm `Block`s with
 the attributes lesson 04's TensorParallelBlock splits, a final LayerNorm, an untied head),
-`build_gpt` (the same initial weights on every rank), `adamw` (nanoGPT's parameter groups) and
-`train_one_process`, the float64 reference of every proof; `global_state` and
+`build_gpt` (the same initial weights on every rank), `adamw` (nanoGPT's parameter groups),
+`inputs_and_targets` (a batch's tokens and targets; `IGNORE_INDEX` marks a target that counts
+nowhere: padding, a packed document's last token) and `train_one_process`, the float64
+reference of every proof: the mean cross-entropy over the batch's real targets; `global_state` and
 `load_global_state`: the model under the names checkpoints use (q, k, v fused as qkv, as the
 tensor-parallel blocks hold them). nd.py splits this model over a mesh; nd_placement.py says
 where each piece of it lives.
@@ -21,6 +23,9 @@ import torch.nn.functional as F
 
 tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")  # causal_attention
 checkpointing = importlib.import_module("lessons.06_checkpointing.main")  # cosine_with_warmup
+
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: a target that counts nowhere
+
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
@@ -100,20 +105,38 @@ def adamw(params_by_dim: list[tuple[torch.Tensor, int]], config: GPTConfig) -> t
                               {"params": keep, "weight_decay": 0.0}], lr=config.lr, foreach=False)
 
 
-def train_one_process(config: GPTConfig, batches: list[torch.Tensor], dtype: torch.dtype = torch.float64,
-                      bf16: bool = False) -> tuple[list[tuple[float, float]], GPT]:
-    """The reference every layout must equal: whole batches (B, seq + 1), mean cross-entropy,
-    torch's clip_grad_norm_, AdamW, warmup + cosine; `bf16`: the forward under bf16 autocast
-    (on the CPU here). Returns [(loss, norm before clipping)]."""
-    model = build_gpt(config, dtype)
+def inputs_and_targets(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's global batch -> (tokens (B, seq), targets (B, seq)). `batch` is windows
+    (B, seq + 1) of a token stream (every next token a target), or a pair (tokens, targets)
+    whose targets hold IGNORE_INDEX where a position predicts nothing: padding after a short
+    document, or a packed row's document ends (the next document's first token is not
+    predicted from the previous one's)."""
+    if isinstance(batch, torch.Tensor):
+        return batch[:, :-1], batch[:, 1:]
+    tokens, targets = batch
+    if tokens.shape != targets.shape:
+        raise ValueError(f"tokens {tuple(tokens.shape)} and targets {tuple(targets.shape)} differ")
+    return tokens, targets
+
+
+def train_one_process(config: GPTConfig, batches: list, dtype: torch.dtype = torch.float64,
+                      bf16: bool = False, device: str | torch.device = "cpu"
+                      ) -> tuple[list[tuple[float, float]], GPT]:
+    """The reference every layout must equal: whole batches (`inputs_and_targets`), the mean
+    cross-entropy over the batch's real targets (sum / count, IGNORE_INDEX left out), torch's
+    clip_grad_norm_, AdamW, warmup + cosine; `bf16`: the forward under bf16 autocast (on the
+    CPU too). Returns [(loss, norm before clipping)] and the trained model."""
+    model = build_gpt(config, dtype).to(device)
     optimizer = adamw([(p, p.dim()) for p in model.parameters()], config)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, checkpointing.cosine_with_warmup(config.warmup, config.steps))
     history = []
-    for windows in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            logits = model(windows[:, :-1]).to(dtype)
-        loss = F.cross_entropy(logits.reshape(-1, config.vocab), windows[:, 1:].reshape(-1))
+    for batch in batches:
+        tokens, targets = (t.to(device) for t in inputs_and_targets(batch))
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(tokens).to(dtype)  # cross-entropy in the weights' dtype
+        loss = F.cross_entropy(logits.reshape(-1, config.vocab), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX)
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip)
         optimizer.step()

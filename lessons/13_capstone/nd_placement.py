@@ -4,9 +4,10 @@ A tp rank holds a replicated tensor whole, or a piece of it along one dimension;
 weight holds piece r of each of Q, K and V side by side. `Placement` says which, `cut` takes a
 rank's piece of a global tensor and `join` puts the pieces back together (an exercise);
 `BLOCK_PLACEMENTS` lists how each parameter of nd.ParallelBlock is split. A checkpoint
-(`checkpoint_state`) saves each rank's ZeRO slice of its piece with its placement; `assemble`
-joins any layout's slices into the global tensors, refusing a missing or overlapping slice, and
-`load_checkpoint_state` cuts this layout's pieces and ZeRO slices from them.
+(`checkpoint_state`) saves each rank's ZeRO slice (over dp x cp) of its piece with its
+placement; `assemble` joins any layout's slices into the global tensors, refusing a missing or
+overlapping slice, and `load_checkpoint_state` cuts this layout's pieces and ZeRO slices from
+them.
 """
 
 from __future__ import annotations
@@ -33,16 +34,24 @@ class Placement:
 # exercise placements (3 points): A tp rank's piece of a global tensor, and back
 # hint: fused QKV is 3 parts: rank r holds piece r of EACH part, side by side.
 def cut(full: torch.Tensor, placement: Placement, rank: int, size: int) -> torch.Tensor:
-    """The piece of the global tensor `full` that tp rank `rank` of `size` holds."""
+    """The piece of the global tensor `full` that tp rank `rank` of `size` holds: along
+    placement.dim, piece `rank` of `size` equal pieces of each of the `parts` equal parts,
+    side by side (a copy); the whole tensor when replicated (dim None). A dimension that does
+    not split into parts x size equal pieces: ValueError naming the tensor (tp splits whole
+    heads and columns; lesson 04's layers refuse the rest)."""
     if placement.dim is None:
         return full.clone()
+    if full.shape[placement.dim] % (placement.parts * size):
+        raise ValueError(f"{placement.name}: dim {placement.dim} of {tuple(full.shape)} does not "
+                         f"split into {placement.parts} x {size} equal pieces")
     return torch.cat([part.chunk(size, placement.dim)[rank]
                       for part in full.chunk(placement.parts, placement.dim)], placement.dim)
 
 
 # exercise placements (continued)
 def join(pieces: list[torch.Tensor], placement: Placement) -> torch.Tensor:
-    """`cut`'s inverse: the global tensor from every tp rank's piece, in tp-rank order."""
+    """`cut`'s inverse: the global tensor from every tp rank's piece, in tp-rank order (a new
+    tensor; a replicated one is pieces[0]'s copy)."""
     if placement.dim is None:
         return pieces[0].clone()
     split = [piece.chunk(placement.parts, placement.dim) for piece in pieces]
@@ -101,16 +110,16 @@ def assemble(shards: list[dict]) -> dict[str, dict[str, torch.Tensor]]:
 
 
 def checkpoint_state(trainer) -> dict:
-    """nd.NDTrainer `trainer`'s part of a checkpoint: for every tensor it is the first holder of (cp
-    rank 0; replicated ones on tp rank 0), its ZeRO shard of the parameter and of AdamW's
-    moments, with where the shard sits: {"tensors": {name: {"placement": [shape, dim,
+    """nd.NDTrainer `trainer`'s part of a checkpoint: for every tensor it holds a piece of
+    (replicated ones on tp rank 0 only), its ZeRO shard (over dp x cp) of the parameter and of
+    AdamW's moments, with where the shard sits: {"tensors": {name: {"placement": [shape, dim,
     parts], "tp": [tp rank, tp size], "flat": [start, end], "params", "exp_avg",
     "exp_avg_sq": 1-D CPU tensors}}, "step", "adam_step", "scheduler", "lr", "layout",
     "world_size", "fingerprint"}."""
     tensors = {}
     for shard, (start, end), (_, placement) in zip(trainer.zero.shards, trainer.zero.bounds,
                                                    trainer.stage.placements):
-        if trainer.coords["cp"] or (placement.dim is None and trainer.coords["tp"]):
+        if placement.dim is None and trainer.coords["tp"]:
             continue
         state = trainer.zero.optimizer.state.get(shard, {})
         tensors[placement.name] = {

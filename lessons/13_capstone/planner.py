@@ -134,7 +134,7 @@ class Model:
 
     def block_replicated(self) -> int:
         """A block's parameters every tp rank holds whole: both norms, the row-parallel
-        biases (O, down)."""
+        biases (O, down): 6 h for the course's block, 2 h for Llama's."""
         return 2 * self.norm_params() + (2 * self.hidden if self.bias else 0)
 
     def block_tensors(self) -> int:
@@ -724,9 +724,10 @@ def communication(model: Model, cluster: Cluster, run: Run, strategy: Strategy,
     tp  m B x lesson 04's `tp_bytes_per_block(s/cp, b, h, tp, .)`: 4 all-gathers and 4
         reduce-scatters of (s/cp) b h, half of them of the norms' outputs (r_residual) and
         half of the matmuls' (r_compute), the bytes of 4 all-reduces (megatron: + the two
-        all-gathers backward repeats, as lesson 04's save_shard); once per step, one
-        all-reduce of the gradients of what every tp rank holds whole (norms, row-parallel
-        biases, and in nd the tables and the head); megatron's vocabulary-parallel ends add,
+        all-gathers backward repeats, as lesson 04's save_shard); once per step, after the
+        last micro-batch, the all-reduce of the gradients every tp rank holds whole: the
+        blocks' norms and row-parallel biases (lesson 04's `sp_grad_all_reduce_bytes`, 6 h per
+        course block, whatever m), and in nd the tables, the final norm and the head; megatron's vocabulary-parallel ends add,
         per micro-batch, the embedding's reduce-scatter and the head's all-gather of (s/cp) b h
         (their backward twins, and the head's gather again), and the loss's three all-reduces
         of (s/cp) b fp32 values;
@@ -753,12 +754,14 @@ def communication(model: Model, cluster: Cluster, run: Run, strategy: Strategy,
     if run.engine == "megatron":  # the QKV and MLP inputs gathered again in backward
         per_block += 2 * ring(s * b * h * r.compute, t, "all_gather")
     tp_bytes = m * blocks * per_block * (1.5 if full else 1)  # full: the forward's half again
-    replicated = blocks * model.block_replicated()
+    # once per step, after the last micro-batch: lesson 04's all-reduce of sequence
+    # parallelism's replicated gradients, 6 h per course block (a Llama block's 2 h: scaled)
+    tp_bytes += tensor_parallel.sp_grad_all_reduce_bytes(h, t, r.grads, blocks) * model.block_replicated() / (6 * h)
     ends = (stage == 0) + (stage == layout.pp - 1)
-    if run.engine == "nd":
-        replicated += psi - blocks * (model.block_split() // t + model.block_replicated())
+    if run.engine == "nd":  # and of the tables, the final norm and the head, whole on every tp rank
+        replicated = psi - blocks * (model.block_split() // t + model.block_replicated())
     else:
-        replicated += model.norm_params() if stage == layout.pp - 1 else 0
+        replicated = model.norm_params() if stage == layout.pp - 1 else 0
         tp_bytes += m * ends * 2 * ring(s * b * h * r.compute, t, "all_reduce")
         tp_bytes += m * (stage == layout.pp - 1) * ring(s * b * h * r.compute, t, "all_gather")
         tp_bytes += m * (stage == layout.pp - 1) * 3 * ring(s * b * 4, t, "all_reduce")

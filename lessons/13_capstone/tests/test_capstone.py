@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from lessons._launch import WorkerError
+from lessons._launch import WorkerError, launch
 from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
 M = importlib.import_module("lessons.13_capstone.main")  # the technique
@@ -138,6 +138,19 @@ class TestDecayGroups(unittest.TestCase):
         self.assertEqual(sorted(decayed + kept), sorted(names.values()),
                          "every parameter in exactly one group")
 
+    def test_frozen_parameters_are_in_no_group(self):
+        model = M.tiny_gpt.TinyGPT(13, 12, 3, 2, 7)  # sizes no small world size divides
+        frozen = {"pos.weight", "layers.0.ln1.weight", "layers.1.up.weight"}
+        for name, param in model.named_parameters():
+            param.requires_grad_(name not in frozen)
+        groups = M.decay_groups(model, 0.01)
+        names = {id(p): name for name, p in model.named_parameters()}
+        grouped = sorted(names[id(p)] for group in groups for p in group["params"])
+        expected = sorted(name for name, p in model.named_parameters() if name not in frozen)
+        self.assertEqual(grouped, expected, f"frozen (requires_grad=False) parameters belong to no "
+                                            f"group: {sorted(set(grouped) & frozen)} are in one; "
+                                            f"{sorted(set(expected) - set(grouped))} are missing")
+
     def test_one_adamw_step_on_zero_gradients_shrinks_only_the_2d_tensors(self):
         # with zero gradients Adam's update is 0: what is left is the decoupled decay,
         # w <- w (1 - lr x weight_decay), on the decayed group only
@@ -171,6 +184,8 @@ class TestCostModel(unittest.TestCase):
     def test_mfu_divides_by_every_rank_s_peak(self):
         self.assertAlmostEqual(flops.mfu(1e6, 1_000_000, 2, 989e12), 1e12 / (2 * 989e12), delta=1e-15)
         self.assertAlmostEqual(flops.mfu(1e6, 1_000_000, 1, 989e12), 1e12 / 989e12, delta=1e-15)
+        self.assertAlmostEqual(flops.mfu(3e5, 1_000_001, 3, 312e12), 3e5 * 1_000_001 / (3 * 312e12),
+                               delta=1e-15, msg="3 ranks: tokens/s x F / (3 x peak)")
         self.assertIsNone(flops.mfu(1e6, 1000, 1, None))
         gpt2 = 6 * 124_000_000 + 12 * 12 * 768 * 1024
         self.assertEqual(round(100 * flops.mfu(1e6, gpt2, 8, 989e12), 1), 10.8)  # README, "The math"
@@ -273,6 +288,35 @@ class TestAccumulationStep(unittest.TestCase):
         self.assertTrue(any(not torch.equal(start[k], v) for k, v in self.model.state_dict().items()))
 
 
+@exercise("accumulation-step")
+class TestAccumulationOnThreeRanks(unittest.TestCase):
+    """accumulation_step on 3 ranks of lesson 02's BucketedDDP, 3 micro-batches each (odd
+    degrees; a model whose sizes 3 does not divide, rows that all differ): the step of the
+    whole batch in one process, to float64 rounding. What one rank cannot show: the average
+    over ranks, and which micro-batch's backward all-reduces (an all-reduce of a partial sum
+    averages only that part)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.results = {clip: launch(C.accumulation_worker, 3, (3, clip), device="cpu", timeout_s=60.0)
+                       for clip in (1e9, 0.05)}
+
+    def test_the_step_is_the_whole_batch_step_on_every_rank(self):
+        for clip, results in self.results.items():
+            for rank, result in enumerate(results):
+                self.assertGreater(result["moved"], 1e-4, f"clip {clip}, rank {rank}: the step moved nothing")
+                # float64: sums of a few hundred O(1) terms in another order differ by ~1e-14
+                self.assertLess(result["weights"], 1e-12,
+                                f"3 ranks x 3 micro-batches, clip {clip}, rank {rank}: the weights differ "
+                                f"from the one-process step by {result['weights']:.3g} (expected < 1e-12)")
+
+    def test_each_rank_returns_the_mean_of_its_micro_batch_losses(self):
+        for rank, result in enumerate(self.results[1e9]):
+            self.assertAlmostEqual(result["loss"], result["expected_loss"], delta=1e-12,
+                                   msg=f"rank {rank}: expected {result['expected_loss']:.6f}, "
+                                       f"got {result['loss']:.6f}")
+
+
 CKPT_CONFIG = M.GPTRunConfig(layers=1, hidden=16, heads=2, seq=8, global_batch=4, accum=1, steps=6,
                              lr=1e-2, warmup=2, dropout=0.1)
 CKPT_VOCAB = 16
@@ -336,10 +380,12 @@ class TestCheckpointResume(unittest.TestCase):
                     cls.at3[key] = {name: trainer.optimizer.state[p][key].clone()
                                     for name, p in trainer.named}
                 cls.shards1 = [through_bytes(trainer.shard_state())]
-                cls.shards2 = []
-                for rank in (0, 1):  # the same replicated state as 2 ranks would save it
-                    trainer.rank, trainer.world = rank, 2
-                    cls.shards2.append(through_bytes(trainer.shard_state()))
+                cls.shards = {}  # the same replicated state as 2, 3 or 17 ranks would save it
+                for world in (2, 3, 17):  # 17 > 16: the last rank holds nothing of a 16-element tensor
+                    cls.shards[world] = []
+                    for rank in range(world):
+                        trainer.rank, trainer.world = rank, world
+                        cls.shards[world].append(through_bytes(trainer.shard_state()))
                 trainer.rank, trainer.world = 0, 1
         checkpointer.wait()
         cls.final = {name: p.detach().clone() for name, p in trainer.named}
@@ -365,22 +411,29 @@ class TestCheckpointResume(unittest.TestCase):
                             f"{name}: not the uninterrupted run's weights")
 
     def test_each_rank_saves_its_slice_of_every_tensor_once(self):
-        for rank, shard in enumerate(self.shards2):
-            self.assertEqual((shard["step"], shard["rank"], shard["world_size"], shard["fingerprint"]),
-                             (3, rank, 2, CKPT_CONFIG.fingerprint()))
-            self.assertEqual(shard["lr"], self.at3["lr"])
-            self.assertIn("torch", shard["rng"])
-            self.assertEqual(shard["scheduler"]["last_epoch"], 3)
-        for key in ("params", "exp_avg", "exp_avg_sq"):
-            for name, full in self.at3[key].items():
-                slices = [shard[key][name] for shard in self.shards2]
-                for rank, piece in enumerate(slices):
-                    start, end = M.zero.shard_bounds(full.numel(), 2, rank)
-                    self.assertEqual((piece.dim(), piece.numel(), piece.device.type),
-                                     (1, end - start, "cpu"), f"{key} {name} rank {rank}")
-                self.assertTrue(torch.equal(torch.cat(slices), full.reshape(-1)), f"{key} {name}")
-        for name, step in self.at3["step"].items():
-            self.assertTrue(torch.equal(self.shards2[0]["adam_step"][name], step), name)
+        for world, shards in self.shards.items():
+            for rank, shard in enumerate(shards):
+                self.assertEqual((shard["step"], shard["rank"], shard["world_size"], shard["fingerprint"]),
+                                 (3, rank, world, CKPT_CONFIG.fingerprint()), f"rank {rank} of {world}")
+                self.assertEqual(shard["lr"], self.at3["lr"], f"rank {rank} of {world}: the LR")
+                self.assertIn("torch", shard["rng"])
+                self.assertEqual(shard["scheduler"]["last_epoch"], 3)
+            for key in ("params", "exp_avg", "exp_avg_sq"):
+                for name, full in self.at3[key].items():
+                    slices = [shard[key][name] for shard in shards]
+                    for rank, piece in enumerate(slices):
+                        start, end = M.zero.shard_bounds(full.numel(), world, rank)
+                        self.assertEqual((piece.dim(), piece.numel(), piece.device.type),
+                                         (1, end - start, "cpu"),
+                                         f"{key} {name} ({full.numel()} elements), rank {rank} of {world}: "
+                                         f"expected a 1-D CPU slice of {end - start} (shard_bounds), got "
+                                         f"{piece.dim()}-D of {piece.numel()} on {piece.device.type}")
+                    self.assertTrue(torch.equal(torch.cat(slices), full.reshape(-1)),
+                                    f"{key} {name}: the {world} slices do not concatenate to the tensor")
+            for name, step in self.at3["step"].items():
+                self.assertTrue(torch.equal(shards[0]["adam_step"][name], step), name)
+        empty = [name for name, full in self.at3["params"].items() if full.numel() < 17]
+        self.assertTrue(empty, "the 17-rank case must leave some rank without a slice")
 
     def test_load_restores_weights_moments_and_step(self):
         trainer = new_trainer()
@@ -404,15 +457,17 @@ class TestCheckpointResume(unittest.TestCase):
         trainer.load_shards(self.shards1)
         self.continue_to_the_end(trainer)
 
-    def test_two_ranks_shards_load_on_one_rank_without_their_rng(self):
-        trainer = new_trainer()
-        torch.manual_seed(123)
-        rng = torch.get_rng_state()
-        trainer.load_shards(self.shards2)
-        self.assert_state_at_step_3(trainer)
-        self.assertEqual([group["lr"] for group in trainer.optimizer.param_groups], self.at3["lr"])
-        self.assertTrue(torch.equal(torch.get_rng_state(), rng),
-                        "2 ranks' RNG states mean nothing on 1 rank: leave this rank's alone")
+    def test_other_world_sizes_shards_load_on_one_rank_without_their_rng(self):
+        for world in (2, 3, 17):
+            trainer = new_trainer()
+            torch.manual_seed(123)
+            rng = torch.get_rng_state()
+            trainer.load_shards(self.shards[world])
+            self.assert_state_at_step_3(trainer)
+            self.assertEqual([group["lr"] for group in trainer.optimizer.param_groups], self.at3["lr"],
+                             f"{world} ranks' shards: the LR")
+            self.assertTrue(torch.equal(torch.get_rng_state(), rng),
+                            f"{world} ranks' RNG states mean nothing on 1 rank: leave this rank's alone")
 
     def test_resume_continues_the_latest_and_discards_newer_steps(self):
         saved = self.dir / "checkpoints"
@@ -558,7 +613,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertEqual(self.metrics["flops_per_token"], flops.flops_per_token(103_808, 2, 64, 64))
         # the worked GPT-2 example (857M FLOPs per token, 10.8% MFU): TestCostModel
         self.assertEqual(flops.peak_flops_for("NVIDIA H100 80GB HBM3"), 989e12)
-        self.assertEqual(M.micro_batch_size(16, 2, 2), 4)  # "2 ranks x 2 micro-batches of 4"
+        self.assertEqual(M.micro_batch_size(24, 2, 2), 6)
+        self.assertIn("2 ranks x 2 micro-batches of 6 sequences", README)
 
     def test_no_weights_digest_is_quoted(self):
         # a sha256 of trained weights is a same-machine fact: the README must not promise one
@@ -566,8 +622,16 @@ class TestDocNumbers(unittest.TestCase):
 
 
 class TestCli(unittest.TestCase):
+    def test_the_defaults_run_on_1_to_4_ranks(self):
+        for world in (1, 2, 3, 4):
+            args = C.parse_args(["--world-size", str(world)])
+            self.assertEqual((args.world_size, args.global_batch % (world * args.accum)), (world, 0),
+                             f"--world-size {world}: the default global batch {args.global_batch} must "
+                             f"split into {world} ranks x {args.accum} micro-batches")
+
     def test_bad_arguments(self):
         assert_argument_error(self, C.parse_args, ["--global-batch", "6"], "--global-batch 6")
+        assert_argument_error(self, C.parse_args, ["--world-size", "5"], "not divisible by 5 ranks")
         assert_argument_error(self, C.parse_args, ["--resume"], "--out is required")
         assert_argument_error(self, C.parse_args, ["--hidden", "30", "--heads", "4"], "--hidden 30")
 

@@ -386,6 +386,31 @@ class TestFormulas(unittest.TestCase):
                     self.assertAlmostEqual(traffic["tp"].bytes, m * blocks * per_block
                                            + 2 * (layout.tp - 1) / layout.tp * replicated * 4, delta=1e-6)
 
+    def test_sequence_parallel_gradients_are_reduced_once_per_step(self):
+        """tp's bytes are m x the per-micro-batch activations plus, once per step, lesson 04's
+        sp_grad_all_reduce_bytes of the blocks' replicated gradients (and, whole on every tp
+        rank, the final norm; in nd also the tables and the head): doubling the micro-batches
+        doubles the first part only."""
+        model = P.Model(layers=4, hidden=32, heads=4, vocab=40, seq=16)
+        cluster = dataclasses.replace(H100, gpus=8, gpus_per_node=8)
+        layout = nd.Layout(dp=2, tp=2, pp=2)
+        for engine, stage in itertools.product(("nd", "megatron"), (0, 1)):
+            tp = {}
+            for m in (2, 4, 8):  # micro-batches of one sequence per dp replica
+                run = P.Run.for_engine(engine, 2 * m, "fp32", micro_batches=(1,))
+                tp[m] = P.communication(model, cluster, run, P.Strategy(layout), stage)["tp"].bytes
+            per_micro = (tp[4] - tp[2]) / 2
+            self.assertAlmostEqual(tp[8] - tp[4], 4 * per_micro, delta=1e-6, msg=f"{engine} stage {stage}")
+            once = tp[2] - 2 * per_micro
+            blocks = tensor_parallel.sp_grad_all_reduce_bytes(32, 2, 4, blocks=2)  # 2 blocks a stage, fp32
+            whole = sum(p.numel() for p, place in real_stage(model, layout, {"pp": stage, "dp": 0, "cp": 0, "tp": 0})
+                        .placements if place.dim is None) - 2 * 6 * 32  # nd: tables, final norm, head
+            if engine == "megatron":  # vocabulary-parallel: only the final norm stays whole
+                whole = 2 * 32 if stage == 1 else 0
+            self.assertAlmostEqual(once, blocks + 2 * (2 - 1) / 2 * whole * 4, delta=1e-6,
+                                   msg=f"{engine} stage {stage}: once per step {once}, lesson 04's {blocks} "
+                                       f"+ {whole} whole parameters")
+
     def test_grouped_query_attention_cuts_cps_ring(self):
         """Only K and V travel round the ring: with 8 of 32 heads they send a quarter (lesson
         11's ring_bytes_per_rank with kv_heads / tp heads)."""
