@@ -391,7 +391,8 @@ def strategies(model: Model, cluster: Cluster, run: Run, layout: nd.Layout) -> l
     if layout_refused(model, cluster, layout) is not None:
         return []
     pp = layout.pp
-    chunks = [1] + ([v for v in range(2, min(8, model.layers // pp) + 1)] if run.interleave and pp > 1 else [])
+    chunks = [1] + ([v for v in range(2, min(8,
+                                             model.layers // pp) + 1)] if run.interleave and pp > 1 else [])
     shifts = [0] + ([1, 2, 3, 4] if run.shift and pp > 1 else [])
     out = []
     for v, k, b in itertools.product(chunks, shifts, run.micro_batches):
@@ -637,17 +638,19 @@ def working_set_bytes(model: Model, run: Run, strategy: Strategy, stage: int) ->
 @dataclasses.dataclass(frozen=True)
 class Memory:
     """One rank's prediction: model states, micro-batches in flight at the peak, activations
-    held then (in flight x one micro-batch's), backward's working set, the stage."""
+    held then (in flight x one micro-batch's), backward's working set, the stage, and the
+    gradient bytes not yet made at the peak (`unmade`: see memory_per_stage)."""
 
     stage: int
     states: float
     inflight: float
     activations: float
     working: float
+    unmade: float = 0.0
 
     @property
     def peak(self) -> float:
-        return self.states + self.activations + self.working
+        return self.states - self.unmade + self.activations + self.working
 
 
 def positions(pp: int) -> list[int]:
@@ -660,13 +663,23 @@ def positions(pp: int) -> list[int]:
 def memory_per_stage(model: Model, run: Run, strategy: Strategy, cluster: Cluster | None = None,
                      stages: list[int] | None = None) -> list[Memory]:
     """Each stage's Memory (or those of `stages`): states + inflight x stage_activation_bytes
-    + working set."""
+    + working set. A stage that runs every forward before its first backward (1F1B with
+    m <= pp - stage: no steady state) never holds its in-flight micro-batches beside every
+    gradient: it peaks as its first backward starts (all in flight, ZeRO-1's gradients not
+    yet made: `unmade`) or once that backward made them (one micro-batch fewer), whichever is
+    more (the simulation found the first stage 21% below states + 2 micro-batches at m = pp = 2)."""
     out = []
     for stage in range(strategy.layout.pp) if stages is None else stages:
         held = inflight(run, strategy, stage)
-        out.append(Memory(stage, model_state_bytes(model, run, strategy, stage, cluster), held,
-                          held * stage_activation_bytes(model, run, strategy, stage),
-                          working_set_bytes(model, run, strategy, stage)))
+        act = stage_activation_bytes(model, run, strategy, stage)
+        mem = Memory(stage, model_state_bytes(model, run, strategy, stage, cluster), held, held * act,
+                     working_set_bytes(model, run, strategy, stage))
+        if strategy.chunks == 1 and strategy.zero == "zero1" and microbatches(run, strategy) <= \
+                strategy.layout.pp - stage:
+            grads = stage_parameters(model, run, strategy, stage)[0] * run.recipe.grads
+            after = dataclasses.replace(mem, inflight=held - 1, activations=(held - 1) * act)
+            mem = max(dataclasses.replace(mem, unmade=grads), after, key=lambda m: m.peak)
+        out.append(mem)
     return out
 
 
@@ -727,7 +740,8 @@ def communication(model: Model, cluster: Cluster, run: Run, strategy: Strategy,
         all-gathers backward repeats, as lesson 04's save_shard); once per step, after the
         last micro-batch, the all-reduce of the gradients every tp rank holds whole: the
         blocks' norms and row-parallel biases (lesson 04's `sp_grad_all_reduce_bytes`, 6 h per
-        course block, whatever m), and in nd the tables, the final norm and the head; megatron's vocabulary-parallel ends add,
+        course block, whatever m), and in nd the tables, the final norm and the head;
+        megatron's vocabulary-parallel ends add,
         per micro-batch, the embedding's reduce-scatter and the head's all-gather of (s/cp) b h
         (their backward twins, and the head's gather again), and the loss's three all-reduces
         of (s/cp) b fp32 values;
@@ -756,7 +770,8 @@ def communication(model: Model, cluster: Cluster, run: Run, strategy: Strategy,
     tp_bytes = m * blocks * per_block * (1.5 if full else 1)  # full: the forward's half again
     # once per step, after the last micro-batch: lesson 04's all-reduce of sequence
     # parallelism's replicated gradients, 6 h per course block (a Llama block's 2 h: scaled)
-    tp_bytes += tensor_parallel.sp_grad_all_reduce_bytes(h, t, r.grads, blocks) * model.block_replicated() / (6 * h)
+    tp_bytes += tensor_parallel.sp_grad_all_reduce_bytes(h, t, r.grads,
+                                                         blocks) * model.block_replicated() / (6 * h)
     ends = (stage == 0) + (stage == layout.pp - 1)
     if run.engine == "nd":  # and of the tables, the final norm and the head, whole on every tp rank
         replicated = psi - blocks * (model.block_split() // t + model.block_replicated())
@@ -892,7 +907,8 @@ def evaluate(model: Model, cluster: Cluster, run: Run) -> list[Candidate]:
     return sorted(out, key=lambda c: (c.step_s, c.memory.peak))
 
 
-def plan(model: Model, cluster: Cluster, run: Run, candidates: list[Candidate] | None = None) -> list[Candidate]:
+def plan(model: Model, cluster: Cluster, run: Run,
+         candidates: list[Candidate] | None = None) -> list[Candidate]:
     """Each layout's fastest fitting strategy, best (lowest estimated step time) first."""
     best: dict[nd.Layout, Candidate] = {}
     for c in candidates if candidates is not None else evaluate(model, cluster, run):
@@ -928,13 +944,15 @@ def strategy_name(strategy: Strategy) -> str:
     """dp8xtp2xpp4 b1 zero1 sel v2 k1: the layout, the micro-batch, ZeRO, recomputation, and
     the chunks and shift when used."""
     short = {"none": "keep", "selective": "sel", "full": "full"}[strategy.recompute]
-    extra = (f" v{strategy.chunks}" if strategy.chunks > 1 else "") + (f" k{strategy.shift}" if strategy.shift else "")
+    extra = (f" v{strategy.chunks}" if strategy.chunks > 1 else "") + \
+        (f" k{strategy.shift}" if strategy.shift else "")
     return f"{layout_name(strategy.layout)} b{strategy.micro_batch} {strategy.zero} {short}{extra}"
 
 
-def format_plan(model: Model, cluster: Cluster, run: Run, top: int = 10) -> str:
+def format_plan(model: Model, cluster: Cluster, run: Run, top: int = 10,
+                candidates: list[Candidate] | None = None) -> str:
     """The plan as text: the inputs, then one row per layout (its best strategy), best first
-    (or why none fits)."""
+    (or why none fits); `candidates`: evaluate's, if at hand."""
     r = run.recipe
     lines = [
         f"model: {model.layers} layers, hidden {model.hidden}, {model.heads} heads ({model.kv_heads} "
@@ -950,7 +968,7 @@ def format_plan(model: Model, cluster: Cluster, run: Run, top: int = 10) -> str:
         "step = slowest stage's compute / (1 - bubble) + communication" +
         (" (dp, pp, cp overlapped with compute)" if run.overlap else " (simplified: nothing overlapped)"),
     ]
-    candidates = evaluate(model, cluster, run)
+    candidates = evaluate(model, cluster, run) if candidates is None else candidates
     fitting = plan(model, cluster, run, candidates)
     if not fitting:
         return "\n".join(lines + ["", why_empty(model, cluster, run, candidates)])
@@ -1023,3 +1041,28 @@ PUBLISHED = [
               "1, interleaved schedule, activation recomputation, 141 TFLOP/s per GPU",
               "Narayanan et al. (arXiv 2104.04473), Table 2 and 5.1"),
 ]
+
+
+def published_check(run: Published) -> tuple[Candidate, int, int]:
+    """The planner asked about the layout a published run used (megatron engine, the default
+    bf16 recipe and 10% headroom, every choice searched): (its fastest fitting strategy, or
+    the one with the smallest peak if none fits; the strategies that fit; those searched)."""
+    model = dataclasses.replace(MODELS[run.model], seq=run.seq)
+    cluster, plan_run = Cluster.of(run.gpu, run.gpus), Run(run.global_batch)
+    searched = [candidate(model, cluster, plan_run, s) for s in strategies(model, cluster, plan_run,
+                                                                           run.used)]
+    fitting = sorted((c for c in searched if c.fits), key=lambda c: (c.step_s, c.memory.peak))
+    best = fitting[0] if fitting else min(searched, key=lambda c: c.memory.peak)
+    return best, len(fitting), len(searched)
+
+
+def format_published() -> str:
+    """PUBLISHED as a markdown table, each run's layout and the planner's verdict on it."""
+    lines = ["| run | GPUs | global batch x seq | layout used | fits / searched | planner's best strategy "
+             "for it | GB/GPU |", "|---|---|---|---|---|---|---|"]
+    for run in PUBLISHED:
+        best, fits, searched = published_check(run)
+        lines.append(f"| {run.name} | {run.gpus} {run.gpu.upper()} | {run.global_batch} x {run.seq} | "
+                     f"{layout_name(run.used)} | {fits} / {searched} | {strategy_name(best.strategy)} | "
+                     f"{best.memory.peak / GB:.1f} |")
+    return "\n".join(lines)

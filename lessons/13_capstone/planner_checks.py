@@ -65,8 +65,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                        help="the model's shape (default llama3-8b-class: Llama 3 8B's sizes with the "
                             "course's block, which nd.py builds; llama3-8b is Llama 3 8B itself)")
     for name in ("layers", "hidden", "heads", "kv-heads", "ffn", "vocab"):
-        group.add_argument(f"--plan-{name}", type=int_in(1), default=None, help=f"override the model's {name}")
-    group.add_argument("--plan-seq", type=int_in(2), default=None, help="sequence length (default: the model's)")
+        group.add_argument(f"--plan-{name}", type=int_in(1), default=None,
+                           help=f"override the model's {name}")
+    group.add_argument("--plan-seq", type=int_in(2), default=None,
+                       help="sequence length (default: the model's)")
     batch = group.add_mutually_exclusive_group()
     batch.add_argument("--plan-batch", type=int_in(1), default=None,
                        help="global batch in sequences per step (default 512)")
@@ -321,7 +323,7 @@ def format_check(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# ============================================================================ 3. the terms nd.py's block lacks
+# ========================================================================== 3. the terms nd.py's block lacks
 
 
 class RMSNorm(torch.autograd.Function):
@@ -381,7 +383,8 @@ class ReferenceBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
-        q, k, v = self.qkv(RMSNorm.apply(x, self.norm1, 1e-5)).split([h, self.kv_heads * self.d, self.kv_heads * self.d], -1)
+        q, k, v = self.qkv(RMSNorm.apply(x, self.norm1, 1e-5)).split([h, self.kv_heads * self.d,
+                                                                      self.kv_heads * self.d], -1)
         q, k, v = (t.unflatten(-1, (-1, self.d)).transpose(1, 2) for t in (q, k, v))  # (b, heads, s, d)
         attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o(attention.transpose(1, 2).reshape(b, s, h))  # a view: no copy
@@ -403,7 +406,8 @@ def reference_block_bytes(model: Model, batch: int, dtype: torch.dtype = torch.f
         key = tensor.untyped_storage()._cdata
         if key in tracker.live and key not in made_before and tracker.live[key].category != "activation":
             tracker.mark([tensor], "activation")
-            shapes[tuple(tensor.shape)] = shapes.get(tuple(tensor.shape), 0) + tensor.untyped_storage().nbytes()
+            shapes[tuple(tensor.shape)] = shapes.get(tuple(tensor.shape),
+                                                     0) + tensor.untyped_storage().nbytes()
         return tensor
 
     with tracker:

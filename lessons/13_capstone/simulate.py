@@ -49,7 +49,7 @@ from .planner_checks import recompute_blocks
 collectives = importlib.import_module("lessons.01_collectives.main")  # ring byte counts, Traffic
 memory = importlib.import_module("lessons.07_memory.main")  # MemoryTracker
 
-# ============================================================================ 1. fake tensors that still decide
+# ========================================================================= 1. fake tensors that still decide
 
 ARANGE = {torch.ops.aten.arange.default, torch.ops.aten.arange.start, torch.ops.aten.arange.start_step}
 
@@ -111,7 +111,7 @@ def modules_stay_put():
         nn.Module.to = original
 
 
-# ============================================================================ 2. the bytes each collective sends
+# ======================================================================== 2. the bytes each collective sends
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -148,13 +148,16 @@ class CollectiveCounter(TorchDispatchMode):
             p, r = group.size(), group.rank()
             if name == "allreduce_":
                 for t in args[0]:
-                    self.record(group, collectives.ring_bytes_sent(t.numel(), t.element_size(), p, r)["all_reduce"])
+                    self.record(group, collectives.ring_bytes_sent(t.numel(), t.element_size(), p,
+                                                                   r)["all_reduce"])
             elif name == "_allgather_base_":
                 out = args[0]
-                self.record(group, collectives.ring_bytes_sent(out.numel(), out.element_size(), p, r)["all_gather"])
+                self.record(group, collectives.ring_bytes_sent(out.numel(), out.element_size(), p,
+                                                               r)["all_gather"])
             elif name == "_reduce_scatter_base_":
                 inp = args[1]
-                self.record(group, collectives.ring_bytes_sent(inp.numel(), inp.element_size(), p, r)["reduce_scatter"])
+                self.record(group, collectives.ring_bytes_sent(inp.numel(), inp.element_size(), p,
+                                                               r)["reduce_scatter"])
             elif name == "send":  # filed by the two ranks it connects (a ring's messages may
                 peer = dist.get_global_rank(group, args[2])  # name global ranks on the world group)
                 self.record_between([self.rank, peer], sum(t.numel() * t.element_size() for t in args[0]))
@@ -310,7 +313,8 @@ def compare(model: planner.Model, cluster: planner.Cluster, run: planner.Run,
     return rows
 
 
-def chosen(candidates: list[planner.Candidate], fitting: list[planner.Candidate], top: int) -> list[planner.Candidate]:
+def chosen(candidates: list[planner.Candidate], fitting: list[planner.Candidate],
+           top: int) -> list[planner.Candidate]:
     """The plan's `top` rows, then the three best layouts that use every dimension (dp, tp,
     pp and cp all above 1: from the plan, else from every candidate)."""
     every = [c for c in fitting if min(c.layout.dp, c.layout.tp, c.layout.pp, c.layout.cp) > 1]
@@ -324,7 +328,8 @@ def chosen(candidates: list[planner.Candidate], fitting: list[planner.Candidate]
     return out + [c for c in every[:3] if c not in out]
 
 
-def simulate_plan(model: planner.Model, cluster: planner.Cluster, run: planner.Run, top: int = 5) -> list[dict]:
+def simulate_plan(model: planner.Model, cluster: planner.Cluster, run: planner.Run,
+                  top: int = 5) -> list[dict]:
     """The planner's nd-engine plan of `model` on `cluster` (`nd_run`), its `top` layouts and
     three that use every dimension, each simulated (`simulate_layout`) and compared."""
     run = nd_run(run)
@@ -340,12 +345,14 @@ def simulate_plan(model: planner.Model, cluster: planner.Cluster, run: planner.R
 def format_comparison(rows: list[dict]) -> str:
     """Predicted beside simulated, one row per simulated rank, as a markdown table (GB =
     1e9 bytes; sent: bytes per step, then tp / cp / pp / dp simulated)."""
-    lines = ["| strategy | stage | peak GB predicted | simulated | sim / pred | GB sent predicted | simulated | "
+    lines = ["| strategy | stage | peak GB predicted | simulated | sim / pred | GB sent predicted | "
+             "simulated | "
              "sim / pred | tp / cp / pp / dp GB simulated |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         by = " / ".join(f"{r['by_dim_simulated'][d] / GB:.2f}" for d in ("tp", "cp", "pp", "dp"))
-        lines.append(f"| {planner.strategy_name(r['strategy'])} | {r['stage']} | {r['peak_predicted'] / GB:.2f} | "
+        lines.append(f"| {planner.strategy_name(r['strategy'])} | {r['stage']} | "
+                     f"{r['peak_predicted'] / GB:.2f} | "
                      f"{r['peak_simulated'] / GB:.2f} | {r['peak_simulated'] / r['peak_predicted']:.3f} | "
                      f"{r['bytes_predicted'] / GB:.2f} | {r['bytes_simulated'] / GB:.2f} | "
                      f"{r['bytes_simulated'] / max(r['bytes_predicted'], 1):.3f} | {by} |")

@@ -14,6 +14,7 @@ import functools
 import importlib
 import io
 import itertools
+import re
 import unittest
 from pathlib import Path
 from unittest import mock
@@ -181,7 +182,8 @@ class TestStrategies(unittest.TestCase):
                 by_node = per_node % layout.tp == 0 and (per_node % span == 0 or span % per_node == 0)
                 accepted = nd_accepts(model, batch, micro, layout)
                 self.assertEqual(layout in listed, accepted and by_node,
-                                 f"{layout} on nodes of {per_node}: nd builds it {accepted}, node rule {by_node}")
+                                 f"{layout} on nodes of {per_node}: nd builds it {accepted}, "
+                                 f"node rule {by_node}")
                 refused["nd"] += not accepted
                 refused["node"] += accepted and not by_node
         self.assertGreater(refused["nd"], 10, "the oracle refuses for real")
@@ -253,7 +255,8 @@ class TestStrategies(unittest.TestCase):
         self.assertEqual(P.stage_layers(TINY, P.Strategy(nd.Layout(pp=2))), [2, 2])
         for pp, v, k in itertools.product((2, 4), (1, 2), (0, 1)):
             try:
-                layers = P.stage_layers(P.Model(12, 32, 4, 8, 16), P.Strategy(nd.Layout(pp=pp), chunks=v, shift=k))
+                layers = P.stage_layers(P.Model(12, 32, 4, 8, 16), P.Strategy(nd.Layout(pp=pp), chunks=v,
+                                                                              shift=k))
             except ValueError as exc:
                 self.assertIn("do not split", str(exc))
                 continue
@@ -267,7 +270,8 @@ class TestStrategies(unittest.TestCase):
         self.assertEqual({(s.zero, s.chunks, s.shift) for s in nd_choices}, {("zero1", 1, 0)})
         self.assertEqual({s.recompute for s in nd_choices}, {"selective", "full"})
         model = P.Model(8, 32, 4, 8, 16)
-        wide = P.strategies(model, dataclasses.replace(H100, gpus=8, gpus_per_node=2), P.Run(32), nd.Layout(dp=4, pp=2))
+        wide = P.strategies(model, dataclasses.replace(H100, gpus=8, gpus_per_node=2), P.Run(32),
+                            nd.Layout(dp=4, pp=2))
         self.assertEqual({s.zero for s in wide}, {"zero1", "zero2", "zero3", "hsdp"})
         interleaved = {(s.chunks, s.shift) for s in wide}  # (8 + 2 k) layers into 2 x v chunks
         self.assertIn((2, 2), interleaved, "interleaved v2 with 2 layers off each end: 3 per chunk")
@@ -302,7 +306,8 @@ class TestFormulas(unittest.TestCase):
                 tensor_parallel.saved_activation_bytes(32, 1, 64, 0, tp, 2, True)
             self.assertEqual(kept - selective, softmax_and_mask, tp)  # the s x s mask is in both
         full = P.block_activation_bytes(model, run, P.Strategy(nd.Layout(), recompute="full"))
-        self.assertEqual(full, memory.training_memory(2, 64, 8, 16, 32, recompute=True)["activation_bytes_per_layer"])
+        self.assertEqual(full, memory.training_memory(2, 64, 8, 16, 32,
+                                                      recompute=True)["activation_bytes_per_layer"])
 
     def test_a_llama_block_keeps_what_the_reference_block_saves(self):
         """Grouped-query attention (k and v of kv_heads x head dim), RMSNorm's one statistic,
@@ -324,7 +329,8 @@ class TestFormulas(unittest.TestCase):
         w = torch.randn(5, dtype=torch.float64, requires_grad=True)
         self.assertTrue(torch.autograd.gradcheck(lambda x, w: PC.RMSNorm.apply(x, w, 1e-5), (x, w)),
                         "RMSNorm's backward")
-        torch.testing.assert_close(PC.RMSNorm.apply(x, w, 1e-5), torch.nn.functional.rms_norm(x, (5,), w, 1e-5))
+        torch.testing.assert_close(PC.RMSNorm.apply(x, w, 1e-5), torch.nn.functional.rms_norm(x, (5,), w,
+                                                                                              1e-5))
         g, u = (torch.randn(2, 3, dtype=torch.float64, requires_grad=True) for _ in range(2))
         self.assertTrue(torch.autograd.gradcheck(PC.SwiGLU.apply, (g, u)), "SwiGLU's backward")
 
@@ -368,13 +374,15 @@ class TestFormulas(unittest.TestCase):
                     numels = [p.numel() for p in stage_module.parameters()]
                     d = layout.dp * (layout.cp if fold else 1)
                     # dp: lesson 03's exact ring bytes, parameter by parameter (d divides them all)
-                    self.assertEqual(traffic["dp"].bytes, zero.expected_bytes_sent(1, numels, 4, d, 0), (layout, fold))
+                    self.assertEqual(traffic["dp"].bytes, zero.expected_bytes_sent(1, numels, 4, d, 0),
+                                     (layout, fold))
                     # pp: an activation forward unless last, a gradient back unless first: lesson 05's plan
                     order = pipeline.one_f_one_b_order(layout.pp, m)[stage]
-                    sends = sum(t.send for transfers, _ in pipeline.p2p_plan(order, stage, layout.pp) for t in transfers)
+                    sends = sum(t.send for transfers, _ in pipeline.p2p_plan(order, stage,
+                                                                             layout.pp) for t in transfers)
                     n = model.seq // (layout.cp * layout.tp)
                     self.assertEqual(traffic["pp"].bytes, sends * n * model.hidden * 4)
-                    # cp: the ring's (6 cp - 4) shard bytes per block and micro-batch (+ the gradients unfolded)
+                    # cp: the ring's (6 cp - 4) shard bytes per block and micro-batch (+ gradients unfolded)
                     head_dim = model.hidden // model.heads
                     shard = model.heads // layout.tp * (model.seq // layout.cp) * head_dim * 4
                     ring = (6 * layout.cp - 4) * shard * blocks * m if layout.cp > 1 else 0
@@ -382,7 +390,8 @@ class TestFormulas(unittest.TestCase):
                     self.assertAlmostEqual(traffic["cp"].bytes, ring + grads, delta=1e-6)
                     # tp: lesson 04's per-block bytes per micro-batch, + the replicated gradients once a step
                     replicated = sum(p.numel() for p, place in stage_module.placements if place.dim is None)
-                    per_block = tensor_parallel.tp_bytes_per_block(16 // layout.cp, 1, 32, layout.tp, 4, False)
+                    per_block = tensor_parallel.tp_bytes_per_block(16 // layout.cp, 1, 32, layout.tp, 4,
+                                                                   False)
                     self.assertAlmostEqual(traffic["tp"].bytes, m * blocks * per_block
                                            + 2 * (layout.tp - 1) / layout.tp * replicated * 4, delta=1e-6)
 
@@ -403,7 +412,8 @@ class TestFormulas(unittest.TestCase):
             self.assertAlmostEqual(tp[8] - tp[4], 4 * per_micro, delta=1e-6, msg=f"{engine} stage {stage}")
             once = tp[2] - 2 * per_micro
             blocks = tensor_parallel.sp_grad_all_reduce_bytes(32, 2, 4, blocks=2)  # 2 blocks a stage, fp32
-            whole = sum(p.numel() for p, place in real_stage(model, layout, {"pp": stage, "dp": 0, "cp": 0, "tp": 0})
+            whole = sum(p.numel() for p, place in real_stage(model, layout, {"pp": stage, "dp": 0, "cp": 0,
+                                                                             "tp": 0})
                         .placements if place.dim is None) - 2 * 6 * 32  # nd: tables, final norm, head
             if engine == "megatron":  # vocabulary-parallel: only the final norm stays whole
                 whole = 2 * 32 if stage == 1 else 0
@@ -444,7 +454,8 @@ class TestFormulas(unittest.TestCase):
             kind = "interleaved" if c.strategy.chunks > 1 else "1f1b"
             if c.strategy.shift:
                 continue
-            simulated = pipeline.simulate_schedule(kind, c.layout.pp, c.microbatches, c.strategy.chunks).bubble_fraction
+            simulated = pipeline.simulate_schedule(kind, c.layout.pp, c.microbatches,
+                                                   c.strategy.chunks).bubble_fraction
             self.assertAlmostEqual(c.bubble, simulated, places=12, msg=P.strategy_name(c.strategy))
 
     def test_the_slowest_stage_sets_the_pace(self):
@@ -465,7 +476,8 @@ class TestFormulas(unittest.TestCase):
                                      ("bf16-reduce-bf16", "mixed_adam", 1), ("fp32", "fp32_adam", 1),
                                      ("nd-autocast", "fp32_adam", 1), ("fp64", "fp32_adam", 2)):
             r = P.RECIPES[name]
-            self.assertEqual(r.weights + r.grads + r.optimizer, factor * memory.model_state_bytes_per_param(recipe), name)
+            self.assertEqual(r.weights + r.grads + r.optimizer,
+                             factor * memory.model_state_bytes_per_param(recipe), name)
             self.assertTrue(r.source, f"{name} names its source")
 
 
@@ -485,14 +497,16 @@ class TestRanking(unittest.TestCase):
             seconds = sum(t.bytes / (450e9 if t.link == "nvlink" else 50e9) for t in c.traffic.values())
             self.assertAlmostEqual(c.step_s, compute + seconds, places=9)
         planned = P.plan(self.model, H100, self.plan_run, self.candidates)
-        self.assertEqual([c.layout for c in planned], list(dict.fromkeys(c.layout for c in self.candidates if c.fits)))
+        self.assertEqual([c.layout for c in planned],
+                         list(dict.fromkeys(c.layout for c in self.candidates if c.fits)))
         self.assertTrue(all(c.memory.peak <= 0.9 * 80e9 for c in planned), "a plan row that does not fit")
 
     def test_overlap_hides_dp_pp_cp_not_tp(self):
         run = dataclasses.replace(self.plan_run, overlap=True)
         for c in P.evaluate(self.model, H100, run)[:50]:
             hidden = sum(t.seconds for dim, t in c.traffic.items() if dim != "tp")
-            self.assertAlmostEqual(c.step_s, c.compute_s + c.traffic["tp"].seconds + max(0, hidden - c.compute_s))
+            exposed = max(0, hidden - c.compute_s)
+            self.assertAlmostEqual(c.step_s, c.compute_s + c.traffic["tp"].seconds + exposed)
 
     def test_a_slow_network_favours_layouts_that_keep_traffic_in_the_node(self):
         slow = dataclasses.replace(H100, inter_bandwidth=1e8)
@@ -516,6 +530,89 @@ class TestRanking(unittest.TestCase):
         self.assertEqual(P.why_empty(self.model, H100, self.plan_run, self.candidates), "")
 
 
+class TestReadme(unittest.TestCase):
+    """The numbers the README's planner section quotes, recomputed (the worked example: the
+    8B-class model on 64 H100s, 512 sequences, the megatron engine, the bf16 recipe)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.model, cls.cluster, cls.plan_run = P.MODELS["llama3-8b-class"], H100, P.Run(512)
+        cls.candidates = P.evaluate(cls.model, H100, cls.plan_run)
+        start = README.index("### Plan a layout before you rent the GPUs")
+        cls.section = README[start:README.index("## Build it")]
+
+    def test_the_top_five(self):
+        text = P.format_plan(self.model, self.cluster, self.plan_run, 5, self.candidates)
+        rows = [line for line in text.splitlines() if line[:3].strip().isdigit()]
+        self.assertEqual(len(rows), 5)
+        for row in rows:
+            self.assertIn(row, self.section, "the README's top five differ from --plan --plan-top 5")
+
+    def test_dp64_and_dp32_x_tp2(self):
+        by_name = {P.strategy_name(c.strategy): c for c in self.candidates}
+        dp64 = by_name["dp64 b1 zero1 sel"]
+        self.assertEqual((round(dp64.memory.peak / 1e9, 1), round(dp64.memory.states / 1e9, 1), dp64.fits),
+                         (87.4, 46.6, False))
+        planned = P.plan(self.model, self.cluster, self.plan_run, self.candidates)
+        rank = next(i for i, c in enumerate(planned, 1) if c.layout == nd.Layout(dp=64))
+        full = planned[rank - 1]
+        self.assertEqual((P.strategy_name(full.strategy), round(full.memory.peak / 1e9, 1),
+                          round(full.step_s, 1),
+                          rank), ("dp64 b1 zero1 full", 55.2, 12.8, 36))
+        lead = planned[0]
+        self.assertEqual((P.layout_name(lead.layout), round(lead.traffic["dp"].bytes / 1e9, 1),
+                          round(lead.traffic["tp"].bytes / 1e9)), ("dp32xtp2", 22.0, 177))
+        for quoted in ("87.4 GB, 46.6 GB", "55.2 GB but 12.8 s", "36th", "22.0 GB over the network",
+                       "177 GB per step"):
+            self.assertIn(quoted, self.section)
+
+    def test_compute_and_the_slowest_stage(self):
+        m = self.model
+        tokens = 512 * 8192
+        self.assertEqual(round(m.parameters() / 1e9, 2), 7.53)
+        self.assertEqual(round(m.matmul_parameters() / 1e9, 2), 6.97)
+        self.assertEqual(round(6 * m.matmul_parameters() * tokens / (64 * 989e12 * 0.4), 2), 6.93)
+        attention = 12 * m.layers * m.hidden * m.seq
+        self.assertEqual(f"{attention / (6 * m.matmul_parameters()):.1%}", "30.8%")
+        llama = P.MODELS["llama3-8b"]
+        for pp, quoted in ((4, "1.163x"), (8, "1.381x"), (16, "1.816x")):
+            flops_ = [P.stage_flops(llama, self.plan_run, P.Strategy(nd.Layout(pp=pp)), d) for d in range(pp)]
+            self.assertEqual(f"{max(flops_) / (sum(flops_) / pp):.3f}x", quoted)
+            self.assertIn(f"**{quoted}**", self.section)
+        self.assertEqual(round(8192 * 128256 * P.RECIPES["nd-autocast"].logits / 1e9, 1), 4.2)
+        self.assertIn("**4.2 GB**", self.section)
+
+    def test_recipes(self):
+        for name in ("bf16", "bf16-reduce-bf16", "fp16-zero", "nd-autocast"):
+            r = P.RECIPES[name]
+            quoted = f"{r.weights} + {r.grads} + {r.optimizer} = {r.weights + r.grads + r.optimizer}"
+            self.assertRegex(self.section, rf"\| `{name}`[^|]*\| {re.escape(quoted)} \|")
+
+    def test_published_runs(self):
+        self.assertIn(P.format_published(), self.section)
+        pub = P.PUBLISHED[0]
+        model = dataclasses.replace(P.MODELS[pub.model], seq=pub.seq)
+        cluster, run = P.Cluster.of(pub.gpu, pub.gpus), P.Run(pub.global_batch)
+        kept = sorted((P.candidate(model, cluster, run, s) for s in P.strategies(model, cluster, run,
+                                                                                 pub.used)
+                       if s.recompute != "full"), key=lambda c: (c.step_s, c.memory.peak))
+        best = next(c for c in kept if c.fits)
+        self.assertEqual((P.strategy_name(best.strategy), round(best.memory.peak / 1e9, 1)),
+                         ("dp64xtp8xpp16 b1 zero2 sel k1", 71.7))
+        self.assertIn("71.7 GB of 72", self.section)
+
+    def test_the_simulations_predicted_columns(self):
+        """The README's full-size simulation (a demo: minutes) quotes the planner's side, here."""
+        run = P.Run.for_engine("nd", 16, "nd-autocast")
+        strategy = P.Strategy(nd.Layout(dp=8, tp=2, pp=2, cp=2), 1)
+        for mem in P.memory_per_stage(self.model, run, strategy):
+            sent = sum(t.bytes for t in P.communication(self.model, self.cluster, run, strategy,
+                                                        mem.stage).values())
+            row = f"| dp8xtp2xpp2xcp2 b1 zero1 sel | {mem.stage} | {mem.peak / 1e9:.2f} |"
+            self.assertIn(row, self.section)
+            self.assertRegex(self.section, re.escape(row) + rf" [0-9.]+ \| [0-9.]+ \| {sent / 1e9:.2f} \|")
+
+
 class TestCli(unittest.TestCase):
     def parse(self, *argv: str) -> argparse.Namespace:
         parser = argparse.ArgumentParser()
@@ -531,7 +628,8 @@ class TestCli(unittest.TestCase):
     def test_overrides(self):
         model, cluster, run = PC.plan_inputs(self.parse(
             "--plan-model", "tiny", "--plan-layers", "8", "--plan-gpus", "16", "--plan-gpu-memory", "24",
-            "--plan-recipe", "fp32", "--plan-batch", "32", "--plan-seq", "64", "--plan-zero", "zero1", "zero3"))
+            "--plan-recipe", "fp32", "--plan-batch", "32", "--plan-seq", "64", "--plan-zero", "zero1",
+            "zero3"))
         self.assertEqual((model.layers, model.hidden, model.seq), (8, 32, 64))
         self.assertEqual((cluster.gpus, cluster.memory_bytes, run.recipe.weights, run.global_batch, run.zero),
                          (16, 24e9, 4, 32, ("zero1", "zero3")))
@@ -599,12 +697,14 @@ class TestMeasuredCheck(unittest.TestCase):
         """fp64; autocast (bf16 matmul inputs and weight copies, fp32 residual stream and
         ring); full recomputation (each block's input)."""
         for name, row in self.every_row():
-            self.assertEqual(row["measured"]["activation"], row["predicted"]["activation"], f"{name} {row['layout']}")
+            self.assertEqual(row["measured"]["activation"], row["predicted"]["activation"],
+                             f"{name} {row['layout']}")
         row = self.autocast[0]  # planted: autocast's weight copies forgotten
         strategy = PC.check_strategy(nd_model.GPTConfig(), row["layout"])
         run = PC.check_run(nd_model.GPTConfig(), row["layout"], "nd-autocast")
         without = dataclasses.replace(run, recipe=dataclasses.replace(run.recipe, cast=0))
-        self.assertNotEqual(P.stage_activation_bytes(TINY, without, strategy, 0), row["measured"]["activation"])
+        self.assertNotEqual(P.stage_activation_bytes(TINY, without, strategy, 0),
+                            row["measured"]["activation"])
 
     def test_peak_within_its_bracket(self):
         """On this tiny run the peak is not predicted to 10%: a stage has 2-4 blocks and 2
