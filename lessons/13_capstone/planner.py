@@ -667,15 +667,17 @@ def memory_per_stage(model: Model, run: Run, strategy: Strategy, cluster: Cluste
     m <= pp - stage: no steady state) never holds its in-flight micro-batches beside every
     gradient: it peaks as its first backward starts (all in flight, ZeRO-1's gradients not
     yet made: `unmade`) or once that backward made them (one micro-batch fewer), whichever is
-    more (the simulation found the first stage 21% below states + 2 micro-batches at m = pp = 2)."""
+    more (the simulation found the first stage 21% below states + 2 micro-batches at m = pp = 2).
+    Not under "full" recomputation: its kept inputs are small beside the gradients, which its
+    first backward makes while rebuilding each block (the CPU measures states + m inputs)."""
     out = []
     for stage in range(strategy.layout.pp) if stages is None else stages:
         held = inflight(run, strategy, stage)
         act = stage_activation_bytes(model, run, strategy, stage)
         mem = Memory(stage, model_state_bytes(model, run, strategy, stage, cluster), held, held * act,
                      working_set_bytes(model, run, strategy, stage))
-        if strategy.chunks == 1 and strategy.zero == "zero1" and microbatches(run, strategy) <= \
-                strategy.layout.pp - stage:
+        if strategy.chunks == 1 and strategy.zero == "zero1" and strategy.recompute != "full" and \
+                microbatches(run, strategy) <= strategy.layout.pp - stage:
             grads = stage_parameters(model, run, strategy, stage)[0] * run.recipe.grads
             after = dataclasses.replace(mem, inflight=held - 1, activations=(held - 1) * act)
             mem = max(dataclasses.replace(mem, unmade=grads), after, key=lambda m: m.peak)
