@@ -264,6 +264,8 @@ def parse_args(argv: list[str] | None = None):
     planner_checks.add_plan_arguments(parser)
     args = parser.parse_args(argv)
     check_args(parser, args)
+    if args.simulate and not args.plan:
+        parser.error("--simulate checks the planner's layouts: use it with --plan")
     if args.plan:  # the planner prints and exits: no run to check
         try:
             args.plan_text = planner_checks.plan_from_args(args)
@@ -359,9 +361,8 @@ def why_no_resume_check(args, device_name: str, ckpt: Path) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    if args.plan:
-        print(args.plan_text)
-        return 0
+    if args.plan:  # the plan, and with --simulate its layouts run on fake tensors
+        return planner_checks.plan_main(args)
     config = config_from(args)
     scratch = Path(tempfile.mkdtemp(prefix="capstone-"))
     out = args.out if args.out is not None else scratch / "out"

@@ -1,30 +1,46 @@
-"""Lesson 13's planner: which dp x tp x pp x cp layouts fit a model on a cluster, best first.
+"""Lesson 13's planner: which layouts and strategies fit a model on a cluster, best first.
 
-The Ultra-Scale Playbook's method as a tool: list the layouts nd.py can build, predict each
-one's memory per GPU with the earlier lessons' formulas, drop those that do not fit, and rank
-the rest by an estimated step time (compute, the pipeline bubble, the communication on the
-link each dimension uses). In the order the planner meets them:
+The Ultra-Scale Playbook's method as a tool: list the ways to split a training step over the
+cluster, predict each one's memory per GPU with the earlier lessons' formulas, drop those that
+do not fit, and rank the rest by an estimated step time (the slowest pipeline stage's compute,
+the bubble, the communication on the link each dimension uses). In the order the planner
+meets them:
 
-1. the inputs: `Model` (the course GPT's shape; `Model.parameters()` is nd_model.GPT's count),
-   `Cluster` (GPUs, memory, links, peak FLOP/s) and `Run` (batch, bytes per element, MFU);
-2. the layouts nd.py accepts, plus tp x cp inside a node: `why_refused`, `enumerate_layouts`;
-3. memory per GPU, each term from the lesson that taught it: `stage_parameters`,
-   `model_state_bytes` (lesson 03's ZeRO-1), `block_activation_bytes` (lesson 04's sequence
-   parallel block, with lesson 11's ring attention in it), `stage_activation_bytes`,
-   `memory_per_stage` (lesson 05's 1F1B in-flight count);
+1. the inputs: `Model` (a decoder: the course GPT's block, or Llama's with grouped-query
+   attention, SwiGLU and RMSNorm; `Model.parameters()` is nd_model.GPT's count for the
+   course's block), `Cluster` (GPUs in nodes, memory, links, peak FLOP/s), `Recipe` (bytes per
+   element of each kind of tensor, each recipe with its source), `Run` (the global batch, the
+   recipe, the engine, the assumed MFU, what the search may choose);
+2. the strategies: a `Strategy` is a layout (dp x tp x pp x cp, nd.Layout) and the choices
+   made with it (micro-batch size, ZeRO stage, recomputation, interleaved chunks, layers moved
+   off the first and last stages); `why_refused`, `strategies`, `enumerate_layouts`;
+3. memory per GPU, each term from the lesson that taught it: `stage_layers`,
+   `stage_parameters`, `model_state_bytes` (lesson 03's ZeRO stages), `block_activation_bytes`
+   (lesson 04's sequence-parallel block, lesson 11's ring attention, Korthikanti et al.'s
+   recomputation), `head_activation_bytes`, `stage_activation_bytes`, `inflight` (lesson 05's
+   1F1B and interleaved schedules), `ring_tile_bytes`, `working_set_bytes`, `memory_per_stage`;
 4. communication per step per GPU: `communication` (lessons 01, 03, 04, 05, 11), each
    dimension on its link (`link_of`);
-5. the ranking: `evaluate`, `plan`, `why_empty`, `format_plan`;
-6. named models and GPUs (`MODELS`, `H100_80GB`) for the CLI; the CLI hook and the check of
-   the predictions against measured bytes are in planner_checks.py.
+5. compute: `stage_flops` (PaLM's 6N + attention per token, per stage: the embedding on the
+   first, the head on the last) and `compute_seconds` (the slowest stage sets the pace);
+6. the ranking: `evaluate`, `plan` (each layout's best strategy), `why_empty`, `format_plan`;
+7. named models, GPUs and published runs (`MODELS`, `GPUS`, `PUBLISHED`) for the CLI; the CLI
+   hook and the check of the predictions against measured bytes are in planner_checks.py, the
+   check at full scale (nd.py's step on fake tensors) in simulate.py.
 
-Simplified: the step time is compute / (1 - bubble) + every collective's time, nothing
-overlapped (nd.py overlaps nothing; production trainers overlap dp's gradient reduction with
-backward, the Playbook's first data-parallel optimization, and the ring's transfers with
-attention, as ring attention is designed to); collectives use bandwidth only (no latency term) at the
-slowest link they cross; compute is 6 N tokens at an assumed MFU (attention FLOPs left out);
-the memory prediction leaves out the backward pass's working set and the allocator's
-fragmentation (a headroom fraction of memory is kept free for them).
+Two engines: "megatron" plans what production trainers run (Megatron-LM's and torchtitan's
+choices: flash attention, a vocabulary-parallel head and loss, every ZeRO stage, interleaving,
+uneven stages, cp folded into the data-parallel group); "nd" plans what nd.py builds (ring
+attention keeping its own output, the vocabulary whole on every tp rank, ZeRO-1, 1F1B, equal
+stages, autocast's bf16 weight copies), which the CPU and the simulation measure.
+
+Simplified: collectives use bandwidth only (no latency term) at the slowest link they cross;
+compute runs at an assumed MFU whatever the layout (tensor parallelism shrinks each matmul and
+a micro-batch of one sequence feeds smaller ones, so real efficiency falls where this does not
+see it); nothing overlaps unless `Run.overlap` (then dp's, pp's and cp's traffic hides behind
+compute, tp's never: it sits between a layer's matmuls); the memory prediction is the live
+bytes of the step (checked against the simulation), not the allocator's reserved memory (a
+headroom fraction of memory is kept free for fragmentation and the runtime).
 """
 
 from __future__ import annotations
@@ -41,7 +57,7 @@ collectives = importlib.import_module("lessons.01_collectives.main")  # ring byt
 zero = importlib.import_module("lessons.03_zero.main")  # ZeRO's memory and traffic
 tensor_parallel = importlib.import_module("lessons.04_tensor_parallel.main")  # SP block costs
 pipeline = importlib.import_module("lessons.05_pipeline.main")  # bubble, in-flight, messages
-memory = importlib.import_module("lessons.07_memory.main")  # parameter count, MemoryTracker
+memory = importlib.import_module("lessons.07_memory.main")  # parameter count
 context_parallel = importlib.import_module("lessons.11_context_parallel.main")  # ring bytes
 
 GB = 1e9  # the planner's gigabyte: 10^9 bytes (lesson 03's memory_table_gb too)
@@ -52,32 +68,94 @@ STEP_COUNTER_BYTES = 4  # torch's AdamW keeps one float32 `step` per parameter t
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """The course GPT (nd_model.GPT): `layers` pre-norm blocks of width `hidden` with `heads`
-    attention heads and a 4h GeLU MLP, learned positions for `seq` tokens, an untied head."""
+    """A decoder of `layers` pre-norm blocks of width `hidden`: `heads` query heads and
+    `kv_heads` key/value heads (grouped-query attention; 0: as many as heads), an MLP of width
+    `ffn` (0: 4 hidden), "gelu" (up, down) or "swiglu" (gate, up, down: Llama), "layernorm"
+    (gain and shift) or "rmsnorm" (gain), biases on every linear but the head (`bias`),
+    "learned" positions (a seq x hidden table) or "rope" (none), a head `tied` to the token
+    table or not; `seq` tokens per sequence. Defaults: the course's GPT (nd_model.GPT)."""
 
     layers: int
     hidden: int
     heads: int
     vocab: int
     seq: int
+    kv_heads: int = 0
+    ffn: int = 0
+    mlp: str = "gelu"
+    norm: str = "layernorm"
+    bias: bool = True
+    positions: str = "learned"
+    tied: bool = False
 
     def __post_init__(self):
-        for name, value in dataclasses.asdict(self).items():
-            if not isinstance(value, int) or value < 1:
+        for name in ("layers", "hidden", "heads", "vocab", "seq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model {name} must be a positive integer, got {value!r}")
+        for name, default in (("kv_heads", self.heads), ("ffn", 4 * self.hidden)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"model {name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, value or default)
         if self.hidden % self.heads:
             raise ValueError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads {self.heads} are not a multiple of kv_heads {self.kv_heads}")
+        for name, allowed in (("mlp", ("gelu", "swiglu")), ("norm", ("layernorm", "rmsnorm")),
+                              ("positions", ("learned", "rope"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model {name} must be one of {allowed}, got {getattr(self, name)!r}")
 
     @classmethod
     def of(cls, config: nd_model.GPTConfig) -> Model:
+        """The course GPT of an nd_model.GPTConfig."""
         return cls(config.layers, config.hidden, config.heads, config.vocab, config.seq)
 
+    @property
+    def kv_width(self) -> int:
+        """Width of K (and of V): kv_heads x head dim."""
+        return self.kv_heads * (self.hidden // self.heads)
+
+    def norm_params(self) -> int:
+        return (2 if self.norm == "layernorm" else 1) * self.hidden
+
+    def block_matmul_weights(self) -> int:
+        """Elements of a block's four matmul weights: Q and O h x h each, K and V h x kv_width
+        each, the MLP 2 (gelu) or 3 (swiglu) h x ffn. All split over tp."""
+        return 2 * self.hidden ** 2 + 2 * self.hidden * self.kv_width + \
+            (2 if self.mlp == "gelu" else 3) * self.hidden * self.ffn
+
+    def block_split(self) -> int:
+        """A block's parameters split over tp: its matmul weights and the biases of the
+        column-parallel layers (Q, K, V; up, and gate)."""
+        biases = self.hidden + 2 * self.kv_width + (1 if self.mlp == "gelu" else 2) * self.ffn
+        return self.block_matmul_weights() + (biases if self.bias else 0)
+
+    def block_replicated(self) -> int:
+        """A block's parameters every tp rank holds whole: both norms, the row-parallel
+        biases (O, down): 6 h for the course's block, 2 h for Llama's."""
+        return 2 * self.norm_params() + (2 * self.hidden if self.bias else 0)
+
+    def block_tensors(self) -> int:
+        """Parameter tensors per block as nd.py and Megatron hold them (Q, K, V fused; gate
+        and up fused): norms 4 (layernorm) or 2, four weights, four biases."""
+        return (4 if self.norm == "layernorm" else 2) + 4 + (4 if self.bias else 0)
+
     def parameters(self) -> int:
-        """N = L (12 h^2 + 13 h) + (V + s) h + 2 h + V h: lesson 07's `gpt_param_count` (per
-        block QKV, O, the 4h MLP, their biases, two LayerNorms; token and position tables; the
-        final LayerNorm), plus the V x h head that nd_model.GPT does not tie to the token table."""
-        return memory.gpt_param_count(self.layers, self.hidden, self.vocab, self.seq) + \
-            self.vocab * self.hidden
+        """N = L (block_split + block_replicated) + V h (tokens) + s h (learned positions) +
+        the final norm + V h (an untied head). For the course GPT: L (12 h^2 + 13 h) + (V + s) h
+        + 2 h + V h, lesson 07's `gpt_param_count` plus the head nd_model.GPT does not tie."""
+        table = self.vocab * self.hidden
+        return self.layers * (self.block_split() + self.block_replicated()) + table + \
+            (self.seq * self.hidden if self.positions == "learned" else 0) + self.norm_params() + \
+            (0 if self.tied else table)
+
+    def matmul_parameters(self) -> int:
+        """The N of 6N (as flops.matmul_params counts it): every parameter but the position
+        table and, for an untied head, the token table (lookups, not matmuls)."""
+        return self.parameters() - (self.seq * self.hidden if self.positions == "learned" else 0) - \
+            (0 if self.tied else self.vocab * self.hidden)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,73 +180,200 @@ class Cluster:
             if not getattr(self, name) > 0:
                 raise ValueError(f"cluster {name} must be > 0, got {getattr(self, name)!r}")
 
+    @classmethod
+    def of(cls, gpu: str, gpus: int, gpus_per_node: int = 8) -> Cluster:
+        """`gpus` of a named kind (`GPUS`)."""
+        spec = GPUS[gpu]
+        return cls(gpus, gpus_per_node, spec["memory_gb"] * GB, spec["nvlink_gbs"] * GB,
+                   spec["network_gbs"] * GB, spec["peak_tflops"] * 1e12)
 
-PRECISIONS = {  # bytes per element: (weights, gradients, optimizer states per parameter, activations)
-    "bf16-mixed": (2, 2, 12, 2),  # 12 = fp32 master + Adam's m and v (ZeRO's K)
-    "fp32": (4, 4, 8, 4),
-    "fp64": (8, 8, 16, 8),  # the CPU check's float64
-}
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """Bytes per element of each kind of tensor a training step keeps.
+
+    States (per parameter): `weights` (what the forward reads), `grads` (what accumulates
+    over micro-batches and is reduced: also the bytes on the wire of the gradient
+    reduction), `master` (an fp32 copy when the weights are 16-bit, else 0) and `moments`
+    (Adam's m and v). Activations (per element kept for backward): `compute` (matmul inputs
+    and outputs), `residual` (the residual stream, the norms' inputs, what a stage sends),
+    `attention` (q, k, v, the attention output and its log-sum-exp), `stats` (norm
+    statistics), `logits` (the loss's log-probabilities), `cast` (per matmul weight and
+    micro-batch in flight: autocast's 16-bit copy of an fp32 weight, which autograd keeps)."""
+
+    name: str
+    weights: int
+    grads: int
+    master: int
+    moments: int
+    compute: int
+    residual: int
+    attention: int
+    stats: int
+    logits: int
+    cast: int
+    source: str
+
+    @property
+    def optimizer(self) -> int:
+        """ZeRO's K: what the optimizer keeps per parameter (master + moments)."""
+        return self.master + self.moments
+
+
+RECIPES = {recipe.name: recipe for recipe in (
+    Recipe("bf16", 2, 4, 4, 8, 2, 2, 2, 4, 4, 0,
+           "Megatron-LM --bf16 (megatron/training/arguments.py: 'bfloat16 requires gradient "
+           "accumulation and all-reduce to be done in fp32'; fp32 main params and Adam states, "
+           "optimizer_config.py), 18 bytes per parameter, 6 + 12/d with the distributed "
+           "optimizer (docs/user-guide/features/dist_optimizer.md); NeMo's bf16_mixed plugin "
+           "(params_dtype bf16, grad_reduce_in_fp32=True); Llama 3 (arXiv 2407.21783, 3.3.2: "
+           "FP32 gradient accumulation and reduce-scatter); the loss in fp32 "
+           "(megatron/core/tensor_parallel/cross_entropy.py upcasts the logits)"),
+    Recipe("bf16-reduce-bf16", 2, 2, 4, 8, 2, 2, 2, 4, 4, 0,
+           "Megatron-LM --grad-reduce-in-bf16 (gradients accumulated and reduced in bf16): "
+           "2 + 2 + 12 bytes per parameter"),
+    Recipe("fp16-zero", 2, 2, 4, 8, 2, 2, 2, 4, 4, 0,
+           "the ZeRO paper's mixed-precision Adam (arXiv 1910.02054, Fig. 1): fp16 weights and "
+           "gradients, K = 12 (fp32 master, momentum, variance); with loss scaling"),
+    Recipe("nd-autocast", 4, 4, 0, 8, 2, 4, 4, 4, 4, 2,
+           "nd.py's GPU run: fp32 weights, gradients and AdamW moments, the forward under bf16 "
+           "autocast (matmuls in bf16, the residual stream and norms in fp32), the ring "
+           "attention in fp32, the loss on fp32 logits"),
+    Recipe("fp32", 4, 4, 0, 8, 4, 4, 4, 4, 4, 0, "fp32 Adam: 4 + 4 + 8"),
+    Recipe("fp64", 8, 8, 0, 16, 8, 8, 8, 8, 8, 0, "the CPU checks' float64: 8 + 8 + 16"),
+)}
+DEFAULT_RECIPE = "bf16"
+ZERO_STAGES = ("zero1", "zero2", "zero3", "hsdp")
+RECOMPUTE = ("none", "selective", "full")
+ENGINES = ("megatron", "nd")
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """One optimizer step: `global_batch` sequences of the model's seq tokens, `micro_batch`
-    sequences per micro-batch; bytes per element of each kind of tensor (`PRECISIONS`); the
-    MFU the compute time assumes; the share of GPU memory kept free (`headroom`)."""
+    """One optimizer step: `global_batch` sequences of the model's seq tokens; the `recipe`;
+    the `engine` ("megatron": production's choices; "nd": what nd.py builds); the MFU the
+    compute time assumes; the share of GPU memory kept free (`headroom`); whether dp, pp and
+    cp traffic overlaps compute (`overlap`); whether cp joins the ZeRO group (`fold_cp`, as
+    torchtitan and Megatron-LM do; False: gradients all-reduced over cp, then ZeRO over dp).
+    What the search may choose: `micro_batches` (sequences per micro-batch), `zero`,
+    `recompute`, `interleave` (more than one model chunk per pipeline rank), `shift`
+    (layers moved off the first and last stages). Run.for_engine fills these per engine."""
 
     global_batch: int
-    micro_batch: int = 1
-    param_bytes: int = 2
-    grad_bytes: int = 2
-    optimizer_bytes: int = 12
-    activation_bytes: int = 2
+    recipe: Recipe = RECIPES[DEFAULT_RECIPE]
+    engine: str = "megatron"
     mfu: float = 0.4
     headroom: float = 0.1
+    overlap: bool = False
+    fold_cp: bool = True
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    zero: tuple[str, ...] = ZERO_STAGES
+    recompute: tuple[str, ...] = RECOMPUTE
+    interleave: bool = True
+    shift: bool = True
 
     def __post_init__(self):
-        if self.global_batch < 1 or self.micro_batch < 1:
-            raise ValueError(f"global batch ({self.global_batch}) and micro-batch "
-                             f"({self.micro_batch}) must be >= 1")
+        if self.global_batch < 1 or not self.micro_batches or min(self.micro_batches) < 1:
+            raise ValueError(f"global batch ({self.global_batch}) and micro-batches "
+                             f"({self.micro_batches}) must be >= 1")
         if not 0 < self.mfu <= 1 or not 0 <= self.headroom < 1:
             raise ValueError(f"mfu must be in (0, 1] and headroom in [0, 1), got {self.mfu}, {self.headroom}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; use one of {ENGINES}")
+        for name, allowed in (("zero", ZERO_STAGES), ("recompute", RECOMPUTE)):
+            if not getattr(self, name) or not set(getattr(self, name)) <= set(allowed):
+                raise ValueError(f"{name} must be some of {allowed}, got {getattr(self, name)!r}")
 
     @classmethod
-    def with_precision(cls, precision: str, global_batch: int, **kwargs) -> Run:
-        if precision not in PRECISIONS:
-            raise ValueError(f"unknown precision {precision!r}; use one of {sorted(PRECISIONS)}")
-        weights, grads, optimizer, activations = PRECISIONS[precision]
-        return cls(global_batch, param_bytes=weights, grad_bytes=grads, optimizer_bytes=optimizer,
-                   activation_bytes=activations, **kwargs)
+    def for_engine(cls, engine: str, global_batch: int, recipe: str | None = None, **kwargs) -> Run:
+        """A Run whose choices are the engine's: "nd" is nd.py (its GPU recipe, ZeRO-1, ring
+        attention with the recomputation it has by construction, or every block recomputed
+        as planner_checks.recompute_blocks adds from outside, 1F1B, equal stages, cp folded
+        into ZeRO's group as in torchtitan); "megatron" searches every choice."""
+        name = recipe or ("nd-autocast" if engine == "nd" else DEFAULT_RECIPE)
+        if name not in RECIPES:
+            raise ValueError(f"unknown recipe {name!r}; use one of {sorted(RECIPES)}")
+        if engine == "nd":
+            kwargs = {"zero": ("zero1",), "recompute": ("selective", "full"), "interleave": False,
+                      "shift": False, **kwargs}
+        return cls(global_batch, RECIPES[name], engine, **kwargs)
 
 
-# ============================================================================ 2. the layouts
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """A layout and the choices made with it: `micro_batch` sequences per micro-batch, the
+    ZeRO stage (`zero`: "zero1" optimizer states sharded, "zero2" gradients too, "zero3"
+    weights too, gathered for each block's forward and backward, "hsdp" zero3 inside a node
+    and replicated across nodes), `recompute` (Korthikanti et al.: "none" keeps the attention
+    probabilities, "selective" recomputes them in backward as flash and ring attention do,
+    "full" keeps only each block's input and runs its forward again), `chunks` model chunks
+    per pipeline rank (interleaved 1F1B when > 1) and `shift` layers moved off the first and
+    the last stage each (Llama 3 405B: one each; Megatron-LM's
+    account_for_embedding_in_pipeline_split)."""
+
+    layout: nd.Layout
+    micro_batch: int = 1
+    zero: str = "zero1"
+    recompute: str = "selective"
+    chunks: int = 1
+    shift: int = 0
 
 
-def why_refused(model: Model, cluster: Cluster, run: Run, layout: nd.Layout) -> str | None:
-    """Why nd.py (or the node) cannot run `layout`, or None. nd.py's own checks: heads % tp
-    (lesson 04 splits attention by heads), layers % pp (lesson 05's equal stages), seq % 2 cp
-    (lesson 11's zig-zag chunks), (seq / cp) % tp (sequence parallelism's positions), the
-    batch into dp replicas of micro-batches (lesson 05's `microbatch_count`). The planner's:
-    tp x cp divides a node's GPUs, so no tp or cp group leaves a node (tp innermost, then cp,
-    in nd.DIMS): their collectives run inside every layer, forward and backward, and need
-    NVLink (Megatron-LM: tensor parallelism up to the GPUs of a server, pipeline across them;
-    the Playbook: TP+SP within a node). Simplified for cp: Llama 3 ran cp across nodes."""
+# ============================================================================ 2. the strategies
+
+
+def layout_refused(model: Model, cluster: Cluster, layout: nd.Layout) -> str | None:
+    """Why no strategy of `layout` can run whatever its choices, or None: what the model
+    needs of a layout (nd.py's checks, Megatron-LM's): heads and kv_heads % tp (attention
+    splits whole heads), ffn % tp, seq % 2 cp (lesson 11's zig-zag chunks), (seq / cp) % tp
+    (sequence parallelism's positions). The planner's: tp divides a node's GPUs, so no tp
+    group leaves a node: its collectives run inside every layer, forward and backward, on
+    the critical path, and need NVLink (Megatron-LM: tensor parallelism up to the GPUs of a
+    server; the Playbook: TP+SP within a node); tp x cp divides a node or fills whole nodes
+    (cp's ring may cross nodes, as Llama 3 405B's cp 16 x tp 8 did, at the network's
+    bandwidth)."""
     if layout.world != cluster.gpus:
         return f"dp x tp x pp x cp = {layout.world}, the cluster has {cluster.gpus} GPUs"
-    if model.heads % layout.tp:
-        return f"{model.heads} heads do not split over tp = {layout.tp}"
-    if model.layers % layout.pp:
-        return f"{model.layers} layers do not split over pp = {layout.pp}"
+    if model.heads % layout.tp or model.kv_heads % layout.tp:
+        return f"{model.heads} heads ({model.kv_heads} key/value) do not split over tp = {layout.tp}"
+    if model.ffn % layout.tp:
+        return f"ffn {model.ffn} does not split over tp = {layout.tp}"
+    if model.layers % layout.pp and model.layers < layout.pp:
+        return f"{model.layers} layers do not fill pp = {layout.pp} stages"
     if model.seq % (2 * layout.cp):
         return f"seq {model.seq} is not divisible by 2 cp = {2 * layout.cp}"
     if (model.seq // layout.cp) % layout.tp:
         return f"seq / cp = {model.seq // layout.cp} positions do not split over tp = {layout.tp}"
-    if run.global_batch % (layout.dp * run.micro_batch):
-        return (f"global batch {run.global_batch} is not a multiple of dp {layout.dp} x "
-                f"micro-batch {run.micro_batch}")
-    if cluster.gpus_per_node % (layout.tp * layout.cp):
-        return (f"tp x cp = {layout.tp * layout.cp} does not divide a node's "
-                f"{cluster.gpus_per_node} GPUs (their per-layer collectives need NVLink)")
+    if cluster.gpus_per_node % layout.tp:
+        return (f"tp = {layout.tp} does not divide a node's {cluster.gpus_per_node} GPUs (its "
+                "per-layer collectives need NVLink)")
+    span, node = layout.tp * layout.cp, cluster.gpus_per_node
+    if node % span and span % node:
+        return (f"tp x cp = {span} neither divides a node's {node} GPUs nor fills whole nodes "
+                "(cp's ring would mix links)")
+    return None
+
+
+def why_refused(model: Model, cluster: Cluster, run: Run, strategy: Strategy) -> str | None:
+    """Why `strategy` cannot run, or None: `layout_refused`, then the stages' layers
+    (`stage_layers`), the batch into dp replicas of micro-batches (lesson 05's
+    `microbatch_count`; interleaving needs m % pp == 0, as Megatron-LM does), HSDP's
+    groups."""
+    layout, b = strategy.layout, strategy.micro_batch
+    reason = layout_refused(model, cluster, layout)
+    if reason is not None:
+        return reason
+    try:
+        stage_layers(model, strategy)
+    except ValueError as exc:
+        return str(exc)
+    if run.global_batch % (layout.dp * b):
+        return f"global batch {run.global_batch} is not a multiple of dp {layout.dp} x micro-batch {b}"
+    if strategy.chunks > 1 and microbatches(run, strategy) % layout.pp:
+        return (f"interleaving needs micro-batches ({microbatches(run, strategy)}) a multiple "
+                f"of pp = {layout.pp}")
+    if strategy.zero == "hsdp" and not 1 < hsdp_shards(cluster, run, layout) < zero_group(run, layout):
+        return "hsdp needs the ZeRO group to span nodes with more than one of its ranks per node"
     return None
 
 
@@ -179,122 +384,304 @@ def all_layouts(gpus: int) -> list[nd.Layout]:
             for tp, pp, cp in itertools.product(divisors, repeat=3) if gpus % (tp * pp * cp) == 0]
 
 
+def strategies(model: Model, cluster: Cluster, run: Run, layout: nd.Layout) -> list[Strategy]:
+    """Every Strategy of `layout` the run's choices allow and `why_refused` lets through:
+    micro-batch sizes, ZeRO stages, recomputation, 2 to 8 chunks when interleaving (pp > 1),
+    shifts of 1 to 4 layers when allowed (pp > 1)."""
+    if layout_refused(model, cluster, layout) is not None:
+        return []
+    pp = layout.pp
+    chunks = [1] + ([v for v in range(2, min(8,
+                                             model.layers // pp) + 1)] if run.interleave and pp > 1 else [])
+    shifts = [0] + ([1, 2, 3, 4] if run.shift and pp > 1 else [])
+    out = []
+    for v, k, b in itertools.product(chunks, shifts, run.micro_batches):
+        first = Strategy(layout, b, run.zero[0], run.recompute[0], v, k)
+        if why_refused(model, cluster, run, first) is not None and \
+                why_refused(model, cluster, run, dataclasses.replace(first, zero="zero1")) is not None:
+            continue
+        for z, r in itertools.product(run.zero, run.recompute):
+            candidate = Strategy(layout, b, z, r, v, k)
+            if z != "hsdp" or why_refused(model, cluster, run, candidate) is None:
+                out.append(candidate)
+    return out
+
+
 def enumerate_layouts(model: Model, cluster: Cluster, run: Run) -> list[nd.Layout]:
-    """The layouts of `cluster.gpus` ranks that `why_refused` lets through."""
-    return [layout for layout in all_layouts(cluster.gpus)
-            if why_refused(model, cluster, run, layout) is None]
+    """The layouts of `cluster.gpus` ranks with at least one strategy."""
+    return [layout for layout in all_layouts(cluster.gpus) if strategies(model, cluster, run, layout)]
 
 
 # ============================================================================ 3. memory per GPU
 
 
-def microbatches(run: Run, layout: nd.Layout) -> int:
+def microbatches(run: Run, strategy: Strategy) -> int:
     """m = global batch / (dp x micro-batch): lesson 05's `microbatch_count`."""
-    return pipeline.microbatch_count(run.global_batch, layout.dp, run.micro_batch)
+    return pipeline.microbatch_count(run.global_batch, strategy.layout.dp, strategy.micro_batch)
 
 
-def stage_parameters(model: Model, layout: nd.Layout, stage: int) -> tuple[int, int]:
-    """(parameters, parameter tensors) one rank of pipeline stage `stage` holds.
+def stage_layers(model: Model, strategy: Strategy) -> list[int]:
+    """Blocks on each pipeline rank. Even: L / pp each. With v chunks and a shift k, every
+    chunk holds c = (L + 2k) / (pp v) blocks but the first stage's first and the last
+    stage's last, which hold c - k (Llama 3 405B: 126 layers, pp 16, k = 1: 7, 8 x 14, 7; the
+    embedding and the loss take the place of the missing layers). ValueError when it does
+    not divide, or k >= c."""
+    pp, v, k, layers = strategy.layout.pp, strategy.chunks, strategy.shift, model.layers
+    if (layers + 2 * k) % (pp * v) or (pp == 1 and (k or v > 1)):
+        return _refuse(f"{layers} layers (+ 2 x {k} shifted) do not split into pp = {pp} x {v} chunks")
+    c = (layers + 2 * k) // (pp * v)
+    if k and (k >= c or pp < 2):
+        return _refuse(f"a shift of {k} layers leaves the end chunks of {c} empty")
+    out = [v * c] * pp
+    out[0] -= k
+    out[-1] -= k
+    return out
 
-    A block: 12 h^2 + 7 h split over tp (the QKV, O, up and down weights; the QKV and up
-    biases), 6 h replicated (both LayerNorms, the O and down biases), 12 tensors; lesson 07's
-    12 h^2 + 13 h at tp = 1. Stage 0 adds the token and position tables (V + s) h, 2 tensors;
-    the last stage the final LayerNorm and the head, 2 h + V h, 3 tensors (not split over tp:
-    nd.py keeps the vocabulary whole). L / pp blocks per stage."""
-    h, blocks = model.hidden, model.layers // layout.pp
-    params = blocks * ((12 * h * h + 7 * h) // layout.tp + 6 * h)
-    tensors = 12 * blocks
+
+def _refuse(message: str):
+    raise ValueError(message)
+
+
+def stage_parameters(model: Model, run: Run, strategy: Strategy, stage: int) -> tuple[int, int]:
+    """(parameters, parameter tensors) one rank of pipeline stage `stage` holds: its blocks
+    (block_split / tp + block_replicated each, block_tensors tensors); stage 0 the token
+    table (V h, / tp when the engine splits the vocabulary) and learned positions (s h); the
+    last stage the final norm and the head (V h, / tp when split; a tied head is the token
+    table, held again on the last stage when pp > 1, as Megatron-LM does)."""
+    layout, tp = strategy.layout, strategy.layout.tp
+    blocks = stage_layers(model, strategy)[stage]
+    params = blocks * (model.block_split() // tp + model.block_replicated())
+    tensors = blocks * model.block_tensors()
+    table = model.vocab * model.hidden // (tp if run.engine == "megatron" else 1)
+    norm_tensors = 2 if model.norm == "layernorm" else 1
     if stage == 0:
-        params, tensors = params + (model.vocab + model.seq) * h, tensors + 2
+        positions = model.seq * model.hidden if model.positions == "learned" else 0
+        params, tensors = params + table + positions, tensors + 1 + (positions > 0)
     if stage == layout.pp - 1:
-        params, tensors = params + 2 * h + model.vocab * h, tensors + 3
+        head = 0 if model.tied and layout.pp == 1 else table
+        params, tensors = params + model.norm_params() + head, tensors + norm_tensors + (head > 0)
     return params, tensors
+
+
+def zero_group(run: Run, layout: nd.Layout) -> int:
+    """Ranks the optimizer (and, from ZeRO-2, gradients; ZeRO-3, weights) is sharded over:
+    dp x cp when cp is folded into the data-parallel group, else dp."""
+    return layout.dp * (layout.cp if run.fold_cp else 1)
+
+
+def hsdp_shards(cluster: Cluster, run: Run, layout: nd.Layout) -> int:
+    """HSDP's shard group: the ZeRO group's ranks inside one node (its ranks are
+    tp (x cp when not folded) apart in nd.DIMS order), replicated across nodes."""
+    stride = layout.tp * (1 if run.fold_cp else layout.cp)
+    return math.gcd(zero_group(run, layout), max(1, cluster.gpus_per_node // stride))
+
+
+def model_state_bytes(model: Model, run: Run, strategy: Strategy, stage: int,
+                      cluster: Cluster | None = None) -> float:
+    """Weights, gradients and optimizer states of one rank of `stage`: lesson 03's
+    `zero_bytes_per_device(zero, Psi, d, k=master + moments, param_bytes, grad_bytes)` on this
+    rank's Psi = stage_parameters and d = its ZeRO group (hsdp: zero3 over `hsdp_shards`),
+    plus AdamW's float32 step counter per tensor (sharded tensors keep one per shard).
+    Exact when d divides every tensor; else rank 0's shards hold up to one element more per
+    tensor (lesson 03's shard_bounds)."""
+    psi, tensors = stage_parameters(model, run, strategy, stage)
+    d = zero_group(run, strategy.layout)
+    kind = strategy.zero
+    if kind == "hsdp":
+        d, kind = hsdp_shards(cluster, run, strategy.layout), "zero3"
+    recipe = run.recipe
+    return zero.zero_bytes_per_device(kind, psi, d, k=recipe.optimizer, param_bytes=recipe.weights,
+                                      grad_bytes=recipe.grads) + STEP_COUNTER_BYTES * tensors
 
 
 def zero1_state_bytes(params: float, dp: int, param_bytes: float, grad_bytes: float,
                       optimizer_bytes: float) -> float:
-    """One rank's weights, gradients and optimizer states under ZeRO-1 over dp, lesson 03's
-    `zero_bytes_per_device("zero1", ...)`: (param_bytes + grad_bytes) Psi whole, plus
-    optimizer_bytes Psi / dp (7.53e9 parameters on dp 64: 31.5 GB with 2 + 2 + 12 bytes, 61.2 GB
-    with nd.py's fp32 4 + 4 + 8)."""
+    """ZeRO-1's bytes for `params` parameters over dp ranks (lesson 03's
+    `zero_bytes_per_device("zero1", ...)`): (param_bytes + grad_bytes) Psi whole, plus
+    optimizer_bytes Psi / dp. 7.53e9 parameters on dp 64: 75.3 GB with Megatron-LM's bf16
+    recipe (2 + 4 + 12), 61.2 GB with nd.py's fp32 4 + 4 + 8, 31.5 GB with ZeRO's 2 + 2 + 12."""
     return zero.zero_bytes_per_device("zero1", params, dp, k=optimizer_bytes,
                                       param_bytes=param_bytes, grad_bytes=grad_bytes)
 
 
-def model_state_bytes(model: Model, layout: nd.Layout, run: Run, stage: int) -> float:
-    """Weights, gradients and optimizer states of one rank of `stage`: lesson 03's
-    `zero_bytes_per_device("zero1", Psi, dp cp)` on this rank's Psi = stage_parameters (what
-    nd.py's ZeRO-1 over the dp x cp ranks keeps: the whole weights and gradients, K Psi /
-    (dp cp) of optimizer state), plus AdamW's float32 step counter per tensor. Exact when dp cp
-    divides every tensor; else rank 0's shards hold up to one element more per tensor (lesson
-    03's shard_bounds)."""
-    psi, tensors = stage_parameters(model, layout, stage)
-    return zero1_state_bytes(psi, layout.dp * layout.cp, run.param_bytes, run.grad_bytes,
-                             run.optimizer_bytes) + \
-        STEP_COUNTER_BYTES * tensors
+def block_activation_bytes(model: Model, run: Run, strategy: Strategy) -> int:
+    """Bytes one rank keeps for backward in one block, per micro-batch: n = s / cp positions of
+    its cp rank, b sequences, t = tp, h, a heads, w = kv_width, f = ffn, recipe bytes r_*.
+
+    Sequence parallel (lesson 04's `saved_activation_bytes` counts these for the course's
+    block): the norms' inputs 2 (n/t) b h r_residual and statistics (4 values per position
+    for LayerNorm, 2 for RMSNorm) (n/t) b r_stats; the QKV and MLP inputs, gathered over tp,
+    2 n b h r_compute in nd (lesson 04's SequenceParallelBlock keeps the gathered input),
+    2 (n/t) b h r_compute in megatron (Megatron-LM's linear layers keep this rank's shard and
+    gather it again in backward, lesson 04's save_shard; megatron/core/tensor_parallel/
+    layers.py); the attention's q, k, v and output, n b (2h + 2w) / t r_attention, and
+    log-sum-exp, (a/t) b n r_stats (flash and ring attention keep these instead of the
+    probabilities: Korthikanti et al.'s selective recomputation by construction); the MLP's
+    gelu input and output 2 n b f / t, or swiglu's gate, up and product 3 n b f / t, r_compute.
+    The nd engine adds O's own input (nd's ring returns its output in fp32 and O reads a bf16,
+    re-laid-out copy) n b h / t r_compute. "none" adds the probabilities (a/t) n s b r_compute
+    (Korthikanti's 5as/h term without dropout); "full" keeps only the block's input,
+    (n/t) b h r_residual. For the course block at tp = 1 in 16-bit this is lesson 11's
+    `activation_bytes_per_rank` (34 (s/cp) b h) plus the norm statistics and log-sum-exp."""
+    layout, b, r = strategy.layout, strategy.micro_batch, run.recipe
+    n, t, h = model.seq // layout.cp, layout.tp, model.hidden
+    if strategy.recompute == "full":
+        return n // t * b * h * r.residual
+    stats = (4 if model.norm == "layernorm" else 2) * (n // t) * b * r.stats
+    gathered = n if run.engine == "nd" else n // t  # megatron keeps the shard, gathers it again
+    kept = 2 * (n // t) * b * h * r.residual + stats + 2 * gathered * b * h * r.compute
+    kept += n * b * (2 * h + 2 * model.kv_width) // t * r.attention + model.heads // t * b * n * r.stats
+    kept += (2 if model.mlp == "gelu" else 3) * n * b * model.ffn // t * r.compute
+    if run.engine == "nd":
+        kept += n * b * h // t * r.compute
+    if strategy.recompute == "none":
+        kept += model.heads // t * n * model.seq * b * r.compute
+    return kept
 
 
-def block_activation_bytes(model: Model, layout: nd.Layout, run: Run) -> int:
-    """Bytes one rank keeps for backward in one nd.ParallelBlock, per micro-batch.
-
-    Lesson 04's `saved_activation_bytes` (sequence parallel, the gathered QKV and up inputs
-    kept) on the s / cp positions of this cp rank counts a block whose attention keeps the
-    softmax output a (s/cp)^2 b / tp and the (s/cp)^2 boolean mask. nd's attention is lesson
-    11's ring (`RingAttention`): it keeps q, k, v, out and the log-sum-exp instead, so take
-    those two terms out and add what the ring keeps beyond lesson 04's count: its own copy
-    of out (O's input is a second, reshaped copy), (s/cp) b h / tp, and the log-sum-exp,
-    (a/tp) b (s/cp). Result: e [(2 + 15/tp) (s/cp) b h + 4 (s/cp) b / tp + (a/tp) b (s/cp)].
-    Lesson 11's `activation_bytes_per_rank` (lesson 07's Korthikanti count split over cp) is
-    not used: it has no tp, is 16-bit only and counts two 1-byte dropout masks, which nd does
-    not have; at tp = 1 and e = 2 its 34 (s/cp) b h equals our 17 x 2 by coincidence (the
-    ring's second copy of out in place of the masks), less our LayerNorm statistics and
-    log-sum-exp (the suite holds the two together)."""
-    s, b, e, tp = model.seq // layout.cp, run.micro_batch, run.activation_bytes, layout.tp
-    counted = tensor_parallel.saved_activation_bytes(s, b, model.hidden, model.heads, tp, e, True)
-    softmax_and_mask = model.heads * s * s * b // tp * e + s * s
-    ring = (s * b * model.hidden // tp + model.heads // tp * b * s) * e
-    return counted - softmax_and_mask + ring
+def head_activation_bytes(model: Model, run: Run, strategy: Strategy) -> int:
+    """Bytes the last stage keeps for backward after its blocks, per micro-batch, n = s /
+    (cp tp) positions: the final norm's input n b h r_residual and statistics; then
+    nd: the head's input (the norm's output) n b h r_compute, the log-probabilities of
+    cross-entropy n b V r_logits, the int64 targets, two scalars (the loss and nll's total
+    weight); megatron (vocabulary-parallel, Megatron-LM's cross_entropy.py): the head's input
+    shard n b h r_compute (gathered again in backward), the fp32 softmax of this rank's V / tp
+    columns at the s/cp positions, their target mask (1 byte) and masked targets (int64)."""
+    layout, b, r = strategy.layout, strategy.micro_batch, run.recipe
+    n, full, h = model.seq // (layout.cp * layout.tp), model.seq // layout.cp, model.hidden
+    norm = n * b * h * r.residual + (2 if model.norm == "layernorm" else 1) * n * b * r.stats
+    if run.engine == "nd":
+        return norm + n * b * (h * r.compute + model.vocab * r.logits + 8) + 2 * r.logits
+    return norm + n * b * h * r.compute + full * b * (model.vocab // layout.tp * r.logits + 1 + 8)
 
 
-def stage_activation_bytes(model: Model, layout: nd.Layout, run: Run, stage: int) -> int:
-    """One micro-batch's bytes kept on a rank of `stage` until its backward: its L / pp blocks;
-    then, on every stage but the last, the output it sent (n b h e, n = s / (cp tp) positions,
-    held by lesson 05's pipeline_step until its gradient comes back); on the last stage the
-    head's instead: the final LayerNorm's input, output and statistics, the log-probabilities
-    (n b V: cross-entropy's log-softmax), the int64 targets, two scalars (the loss and nll's
-    total weight). Stage 0's embedding output is its first block's input (counted there)."""
-    n, b, e = model.seq // (layout.cp * layout.tp), run.micro_batch, run.activation_bytes
-    blocks = model.layers // layout.pp * block_activation_bytes(model, layout, run)
-    if stage < layout.pp - 1:
-        return blocks + n * b * model.hidden * e
-    return blocks + n * b * ((2 * model.hidden + model.vocab + 2) * e + 8) + 2 * e
+def cast_bytes(model: Model, run: Run, strategy: Strategy, stage: int) -> int:
+    """Autocast's 16-bit copies of the fp32 matmul weights one micro-batch's forward keeps
+    for its backward (r_cast per element; nd.py's GPU recipe only): the blocks' matmul
+    weights / tp, and the head's V h on the last stage."""
+    if not run.recipe.cast:
+        return 0
+    blocks = stage_layers(model, strategy)[stage]
+    weights = blocks * model.block_matmul_weights() // strategy.layout.tp
+    if stage == strategy.layout.pp - 1:
+        weights += model.vocab * model.hidden // (strategy.layout.tp if run.engine == "megatron" else 1)
+    return weights * run.recipe.cast
+
+
+def stage_activation_bytes(model: Model, run: Run, strategy: Strategy, stage: int) -> int:
+    """One micro-batch's bytes kept on a rank of `stage` until its backward: its blocks; on
+    every stage but the last, the output it sent (n b h r_residual, n = s / (cp tp), held by
+    lesson 05's pipeline_step until its gradient comes back); on the last, the head's
+    (`head_activation_bytes`); autocast's weight copies (`cast_bytes`). Stage 0's embedding
+    output is its first block's input (counted there)."""
+    layout = strategy.layout
+    n, b = model.seq // (layout.cp * layout.tp), strategy.micro_batch
+    blocks = stage_layers(model, strategy)[stage] * block_activation_bytes(model, run, strategy)
+    end = head_activation_bytes(model, run, strategy) if stage == layout.pp - 1 else \
+        n * b * model.hidden * run.recipe.residual
+    return blocks + end + cast_bytes(model, run, strategy, stage)
+
+
+def inflight(run: Run, strategy: Strategy, stage: int) -> float:
+    """Micro-batches whose activations `stage` holds at its peak, in whole stages: lesson 05's
+    `peak_inflight_closed_form`, 1F1B min(pp - stage, m), interleaved (pp - stage - 1) x 2 +
+    (v - 1) pp + 1 chunk forwards of 1/v stage each (capped at m)."""
+    kind = "interleaved" if strategy.chunks > 1 else "1f1b"
+    return pipeline.peak_inflight_closed_form(kind, strategy.layout.pp, microbatches(run, strategy),
+                                              strategy.chunks, device=stage)
+
+
+def ring_tile_bytes(model: Model, run: Run, strategy: Strategy) -> int:
+    """nd.py's ring attention computes a query chunk against a key chunk at a time, each
+    s / (2 cp) positions (lesson 11's zig-zag halves): its backward (attend_block_backward)
+    holds the scores, the probabilities, the gradient of the probabilities and of the
+    scores of one tile at once, 4 (a / t) (s / 2cp)^2 r_attention, and a causal tile's mask
+    and its negation, 2 (s / 2cp)^2 bytes. FlashAttention's tiles (a few kB) live in on-chip
+    memory: 0 for the megatron engine."""
+    if run.engine != "nd":
+        return 0
+    half = model.seq // (2 * strategy.layout.cp)
+    return 4 * model.heads // strategy.layout.tp * half * half * run.recipe.attention + 2 * half * half
+
+
+def working_set_bytes(model: Model, run: Run, strategy: Strategy, stage: int) -> int:
+    """What backward makes on top of what the forward kept, at the peak (the simulation
+    measures it): the largest of
+    (a) a block's backward: the gradients passing through, 2 n b h r_residual (n = s / (cp
+        tp)), ring attention's tile (`ring_tile_bytes`), and under "full" recomputation the
+        block's own activations, rebuilt for its backward;
+    (b) on the last stage, the loss's backward: nd, the gradients of the log-probabilities
+        and of the logits, 2 n b V r_logits (cross-entropy's nll and log-softmax backward);
+        megatron, the 16-bit gradient of the logits shard, (s/cp) b (V/t) r_compute (the fp32
+        one is computed in place of the saved softmax);
+    (c) on the first stage, the token table's new gradient beside the accumulated one,
+        V' h r_grads, once the micro-batch's own activations are freed (less them);
+    ZeRO-3 (and hsdp) adds two blocks' gathered weights and one block's gathered gradients."""
+    layout, b, r = strategy.layout, strategy.micro_batch, run.recipe
+    n = model.seq // (layout.cp * layout.tp)
+    block = 2 * n * b * model.hidden * r.residual + ring_tile_bytes(model, run, strategy)
+    if strategy.recompute == "full":
+        block += block_activation_bytes(model, run, dataclasses.replace(strategy, recompute="selective"))
+    phases = [block]
+    if stage == layout.pp - 1:
+        phases.append(2 * n * b * model.vocab * r.logits if run.engine == "nd" else
+                      model.seq // layout.cp * b * (model.vocab // layout.tp) * r.compute)
+    if stage == 0:
+        table = model.vocab * model.hidden // (layout.tp if run.engine == "megatron" else 1)
+        phases.append(table * r.grads - stage_activation_bytes(model, run, strategy, stage))
+    out = max(phases)
+    if strategy.zero in ("zero3", "hsdp"):
+        out += (model.block_split() // layout.tp + model.block_replicated()) * (2 * r.weights + r.grads)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
-    """One rank's prediction: model states, activations held at the peak (in-flight
-    micro-batches x one micro-batch's), their sum, and the stage."""
+    """One rank's prediction: model states, micro-batches in flight at the peak, activations
+    held then (in flight x one micro-batch's), backward's working set, the stage, and the
+    gradient bytes not yet made at the peak (`unmade`: see memory_per_stage)."""
 
     stage: int
     states: float
     inflight: float
     activations: float
+    working: float
+    unmade: float = 0.0
 
     @property
     def peak(self) -> float:
-        return self.states + self.activations
+        return self.states - self.unmade + self.activations + self.working
 
 
-def memory_per_stage(model: Model, layout: nd.Layout, run: Run) -> list[Memory]:
-    """Each stage's Memory: states + in-flight x stage_activation_bytes, where a 1F1B stage d
-    holds min(pp - d, m) micro-batches at its peak (lesson 05's `peak_inflight_closed_form`:
-    stage 0 the most)."""
-    m = microbatches(run, layout)
+def positions(pp: int) -> list[int]:
+    """The stages that decide a layout: the first, stage 1 (of the middle stages, which hold
+    the same blocks, the one with the most micro-batches in flight and as many sends as any),
+    the last."""
+    return sorted({0, min(1, pp - 1), pp - 1})
+
+
+def memory_per_stage(model: Model, run: Run, strategy: Strategy, cluster: Cluster | None = None,
+                     stages: list[int] | None = None) -> list[Memory]:
+    """Each stage's Memory (or those of `stages`): states + inflight x stage_activation_bytes
+    + working set. A stage that runs every forward before its first backward (1F1B with
+    m <= pp - stage: no steady state) never holds its in-flight micro-batches beside every
+    gradient: it peaks as its first backward starts (all in flight, ZeRO-1's gradients not
+    yet made: `unmade`) or once that backward made them (one micro-batch fewer), whichever is
+    more (the simulation found the first stage 21% below states + 2 micro-batches at m = pp = 2).
+    Not under "full" recomputation: its kept inputs are small beside the gradients, which its
+    first backward makes while rebuilding each block (the CPU measures states + m inputs)."""
     out = []
-    for stage in range(layout.pp):
-        inflight = pipeline.peak_inflight_closed_form("1f1b", layout.pp, m, device=stage)
-        out.append(Memory(stage, model_state_bytes(model, layout, run, stage), inflight,
-                          inflight * stage_activation_bytes(model, layout, run, stage)))
+    for stage in range(strategy.layout.pp) if stages is None else stages:
+        held = inflight(run, strategy, stage)
+        act = stage_activation_bytes(model, run, strategy, stage)
+        mem = Memory(stage, model_state_bytes(model, run, strategy, stage, cluster), held, held * act,
+                     working_set_bytes(model, run, strategy, stage))
+        if strategy.chunks == 1 and strategy.zero == "zero1" and strategy.recompute != "full" and \
+                microbatches(run, strategy) <= strategy.layout.pp - stage:
+            grads = stage_parameters(model, run, strategy, stage)[0] * run.recipe.grads
+            after = dataclasses.replace(mem, inflight=held - 1, activations=(held - 1) * act)
+            mem = max(dataclasses.replace(mem, unmade=grads), after, key=lambda m: m.peak)
+        out.append(mem)
     return out
 
 
@@ -302,30 +689,30 @@ def memory_per_stage(model: Model, layout: nd.Layout, run: Run) -> list[Memory]:
 
 
 @functools.cache
-def link_of(cluster: Cluster, layout: nd.Layout, dim: str) -> str:
-    """"nvlink" if every group of `dim` (nd.dimension_groups) lies inside one node, else
-    "network" (a ring runs at its slowest hop). A group is `size` ranks `stride` apart
-    (stride = the sizes of the dimensions after `dim` in nd.DIMS), spanning size x stride:
-    when that span divides a node every group is inside one; when a node divides it, none
-    is; otherwise the groups are enumerated."""
-    size = getattr(layout, dim)
-    stride = math.prod(getattr(layout, d) for d in nd.DIMS[nd.DIMS.index(dim) + 1:])
-    node = cluster.gpus_per_node
-    if size == 1 or node % (size * stride) == 0:
-        return "nvlink"
-    if (size * stride) % node == 0:
-        return "network"
-    inside = all(len({rank // node for rank in group}) == 1
-                 for group in nd.dimension_groups(layout, dim))
-    return "nvlink" if inside else "network"
+def link_of(cluster: Cluster, layout: nd.Layout, dims: str | tuple[str, ...]) -> str:
+    """"nvlink" if every group over `dims` (one dimension, or several that one collective
+    spans: ("dp", "cp") when cp is folded into ZeRO's group) lies inside one node, else
+    "network" (a ring runs at its slowest hop). Ranks are row-major over nd.DIMS (tp
+    fastest): a group is a base rank plus offsets sum_d i_d stride_d over `dims`, so every
+    group fits in a node of N GPUs exactly when the largest base residue (mod N) plus the
+    largest offset stays below N (only dimensions whose stride N does not divide change a
+    base's residue, and their first N coordinates already give every residue they can). A
+    test holds this to nd.dimension_groups, group by group."""
+    dims = (dims,) if isinstance(dims, str) else tuple(dims)
+    node, sizes = cluster.gpus_per_node, dict(zip(nd.DIMS, layout.sizes()))
+    stride = {d: math.prod(sizes[e] for e in nd.DIMS[nd.DIMS.index(d) + 1:]) for d in nd.DIMS}
+    reach = sum((sizes[d] - 1) * stride[d] for d in dims)
+    inner = [d for d in nd.DIMS if d not in dims and stride[d] % node and sizes[d] > 1]
+    residues = {sum(i * stride[d] for i, d in zip(index, inner)) % node
+                for index in itertools.product(*(range(min(sizes[d], node)) for d in inner))}
+    return "nvlink" if max(residues) + reach < node else "network"
 
 
-@functools.cache
-def pipeline_sends(stages: int, microbatches: int, stage: int) -> int:
-    """Messages `stage` sends per step under 1F1B: the sends of lesson 05's `p2p_plan`
-    (m activations forward unless last, m gradients back unless first)."""
-    order = pipeline.one_f_one_b_order(stages, microbatches)[stage]
-    return sum(t.send for transfers, _ in pipeline.p2p_plan(order, stage, stages) for t in transfers)
+def pipeline_sends(stages: int, chunks: int, stage: int) -> int:
+    """Messages `stage` sends per micro-batch under (interleaved) 1F1B: each of its v chunks
+    sends its activation forward but the last stage's last chunk, and its gradient back but
+    the first stage's first chunk: lesson 05's `p2p_plan` counts v = 1 (tested)."""
+    return 2 * chunks - (stage == stages - 1) - (stage == 0) if stages > 1 else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,69 +724,157 @@ class LinkTraffic:
     seconds: float
 
 
-def communication(model: Model, cluster: Cluster, layout: nd.Layout, run: Run,
-                  stage: int) -> dict[str, LinkTraffic]:
-    """Bytes one rank of `stage` sends per optimizer step, by dimension (m micro-batches, each
-    through L / pp blocks; b sequences per micro-batch; e, g, w bytes per activation, gradient
-    and weight element; Psi this rank's parameters):
+def ring(size_bytes: float, world: int, kind: str) -> float:
+    """Bytes a ring rank sends: all_reduce 2(p-1)/p S, reduce_scatter and all_gather (p-1)/p S
+    (lesson 01's `ring_all_reduce_bytes_formula` and its halves)."""
+    half = collectives.ring_all_reduce_bytes_formula(size_bytes, world) / 2
+    return 2 * half if kind == "all_reduce" else half
 
-    tp  m (L/pp) lesson 04's `tp_bytes_per_block(s/cp, b, h, tp, e, sequence_parallel)` (4
-        all-gathers + 4 reduce-scatters of (s/cp) b h, and the block's 6 h replicated
-        gradients all-reduced: nd does that once per step, not per micro-batch, a few kB
-        over-counted), plus one all-reduce of the tables and head nd.py replicates over tp
-        (2 (tp-1)/tp x their gradients);
-    cp  m (L/pp) b x lesson 11's `ring_bytes_per_rank(s, a/tp, h/a, cp, e)` forward and
-        backward, plus the all-reduce of every gradient over cp (nd.py sums them there);
-    pp  the activations and gradients lesson 05's `p2p_plan` sends under 1F1B, n b h e each;
-    dp  lesson 03's `zero_communication_elements("zero1", Psi)`: a reduce-scatter of the
-        gradients and an all-gather of the weights, (dp-1)/dp of each sent by a ring rank.
+
+def communication(model: Model, cluster: Cluster, run: Run, strategy: Strategy,
+                  stage: int) -> dict[str, LinkTraffic]:
+    """Bytes one rank of `stage` sends per optimizer step, by dimension (m micro-batches of b
+    sequences; B blocks on this stage; r_* the recipe's bytes; Psi this rank's parameters):
+
+    tp  m B x lesson 04's `tp_bytes_per_block(s/cp, b, h, tp, .)`: 4 all-gathers and 4
+        reduce-scatters of (s/cp) b h, half of them of the norms' outputs (r_residual) and
+        half of the matmuls' (r_compute), the bytes of 4 all-reduces (megatron: + the two
+        all-gathers backward repeats, as lesson 04's save_shard); once per step, after the
+        last micro-batch, the all-reduce of the gradients every tp rank holds whole: the
+        blocks' norms and row-parallel biases (lesson 04's `sp_grad_all_reduce_bytes`, 6 h per
+        course block, whatever m), and in nd the tables, the final norm and the head;
+        megatron's vocabulary-parallel ends add,
+        per micro-batch, the embedding's reduce-scatter and the head's all-gather of (s/cp) b h
+        (their backward twins, and the head's gather again), and the loss's three all-reduces
+        of (s/cp) b fp32 values;
+        under "full" recomputation the forward's four are sent again;
+    cp  m B b x lesson 11's `ring_bytes_per_rank(s, kv_heads / tp, h / heads, cp, r_attention)`
+        forward and backward (only K and V travel: grouped-query attention cuts it by
+        heads / kv_heads; "full" recomputation sends the forward again); when cp is not folded
+        into ZeRO's group, an all-reduce of every gradient over cp;
+    pp  the activations and gradients of (interleaved) 1F1B, `pipeline_sends` x m messages of
+        n b h r_residual;
+    dp  ZeRO over its group (lesson 03's `zero_communication_elements`): zero1 a reduce-scatter
+        of the gradients (r_grads) and an all-gather of the weights (r_weights) per step; zero2
+        a reduce-scatter per micro-batch; zero3 per micro-batch two all-gathers and a
+        reduce-scatter; hsdp zero3 inside the node plus an all-reduce of the shard over the
+        replicas.
     """
-    s, b, e, h = model.seq // layout.cp, run.micro_batch, run.activation_bytes, model.hidden
-    m, blocks = microbatches(run, layout), model.layers // layout.pp
-    psi, _ = stage_parameters(model, layout, stage)
-    replicated = ((model.vocab + model.seq) * h if stage == 0 else 0) + \
-        ((2 * h + model.vocab * h) if stage == layout.pp - 1 else 0)
-    sent = {
-        "tp": m * blocks * tensor_parallel.tp_bytes_per_block(s, b, h, layout.tp, e, True)
-        + collectives.ring_all_reduce_bytes_formula(replicated * run.grad_bytes, layout.tp),
-        "cp": m * blocks * b * sum(context_parallel.ring_bytes_per_rank(
-            model.seq, model.heads // layout.tp, h // model.heads, layout.cp, e))
-        + collectives.ring_all_reduce_bytes_formula(psi * run.grad_bytes, layout.cp),
-        "pp": pipeline_sends(layout.pp, m, stage) * (s // layout.tp) * b * h * e,
-        "dp": (layout.dp - 1) / layout.dp * zero.zero_communication_elements("zero1", psi)
-        * (run.grad_bytes + run.param_bytes) / 2,  # half gradients, half weights
-    }
+    layout, b, r = strategy.layout, strategy.micro_batch, run.recipe
+    s, h, t = model.seq // layout.cp, model.hidden, layout.tp
+    m, blocks = microbatches(run, strategy), stage_layers(model, strategy)[stage]
+    psi, _ = stage_parameters(model, run, strategy, stage)
+    full = strategy.recompute == "full"
+    per_block = (tensor_parallel.tp_bytes_per_block(s, b, h, t, r.residual, False) +
+                 tensor_parallel.tp_bytes_per_block(s, b, h, t, r.compute, False)) / 2
+    if run.engine == "megatron":  # the QKV and MLP inputs gathered again in backward
+        per_block += 2 * ring(s * b * h * r.compute, t, "all_gather")
+    tp_bytes = m * blocks * per_block * (1.5 if full else 1)  # full: the forward's half again
+    # once per step, after the last micro-batch: lesson 04's all-reduce of sequence
+    # parallelism's replicated gradients, 6 h per course block (a Llama block's 2 h: scaled)
+    tp_bytes += tensor_parallel.sp_grad_all_reduce_bytes(h, t, r.grads,
+                                                         blocks) * model.block_replicated() / (6 * h)
+    ends = (stage == 0) + (stage == layout.pp - 1)
+    if run.engine == "nd":  # and of the tables, the final norm and the head, whole on every tp rank
+        replicated = psi - blocks * (model.block_split() // t + model.block_replicated())
+    else:
+        replicated = model.norm_params() if stage == layout.pp - 1 else 0
+        tp_bytes += m * ends * 2 * ring(s * b * h * r.compute, t, "all_reduce")
+        tp_bytes += m * (stage == layout.pp - 1) * ring(s * b * h * r.compute, t, "all_gather")
+        tp_bytes += m * (stage == layout.pp - 1) * 3 * ring(s * b * 4, t, "all_reduce")
+    tp_bytes += ring(replicated * r.grads, t, "all_reduce")
+    attention = sum(context_parallel.ring_bytes_per_rank(model.seq, model.kv_heads // t, h // model.heads,
+                                                         layout.cp, r.attention))
+    forward = context_parallel.ring_bytes_per_rank(model.seq, model.kv_heads // t, h // model.heads,
+                                                   layout.cp, r.attention).forward
+    cp_bytes = m * blocks * b * (attention + (forward if full else 0))
+    if not run.fold_cp:
+        cp_bytes += ring(psi * r.grads, layout.cp, "all_reduce")
+    pp_bytes = pipeline_sends(layout.pp, strategy.chunks, stage) * m * (s // t) * b * h * r.residual
+    d, kind = zero_group(run, layout), strategy.zero
+    gather, scatter = ring(psi * r.weights, d, "all_gather"), ring(psi * r.grads, d, "reduce_scatter")
+    if kind == "zero1":
+        dp_bytes = scatter + gather
+    elif kind == "zero2":
+        dp_bytes = m * scatter + gather
+    elif kind == "zero3":
+        dp_bytes = m * (2 * gather + scatter)
+    else:
+        shards = hsdp_shards(cluster, run, layout)
+        dp_bytes = m * (2 * ring(psi * r.weights, shards, "all_gather") +
+                        ring(psi * r.grads, shards, "reduce_scatter"))
+        dp_bytes += ring(psi / shards * r.grads, d // shards, "all_reduce")
+    zero_dims = ("dp", "cp") if run.fold_cp else ("dp",)
+    sent = {"tp": (tp_bytes, ("tp",)), "cp": (cp_bytes, ("cp",)), "pp": (pp_bytes, ("pp",)),
+            "dp": (dp_bytes, zero_dims)}
     out = {}
-    for dim, nbytes in sent.items():
-        link = link_of(cluster, layout, dim)
+    for dim, (nbytes, dims) in sent.items():
+        link = link_of(cluster, layout, dims)
+        if kind == "hsdp" and dim == "dp":
+            link = "network"  # the replicas' all-reduce crosses nodes
         bandwidth = cluster.intra_bandwidth if link == "nvlink" else cluster.inter_bandwidth
         out[dim] = LinkTraffic(nbytes, link, nbytes / bandwidth)
     return out
 
 
-# ============================================================================ 5. the ranking
+# ============================================================================ 5. compute
 
 
-def compute_seconds(model: Model, cluster: Cluster, run: Run) -> float:
-    """6 N x tokens / (GPUs x peak x MFU): the step's training FLOPs (PaLM's 6N per token,
-    attention left out) shared evenly by every GPU at the assumed MFU."""
-    tokens = run.global_batch * model.seq
-    return 6 * model.parameters() * tokens / (cluster.gpus * cluster.peak_flops * run.mfu)
+def stage_flops(model: Model, run: Run, strategy: Strategy, stage: int) -> float:
+    """Training FLOPs one rank of `stage` does per micro-batch: per token 6 x the matmul
+    parameters it holds (PaLM's 6N; 2N forward, 4N backward) plus attention's 12 h s per
+    block (PaLM's 12 L H Q T, by layer), over its b (s/cp) tokens and split over tp; the head's
+    6 V h on the last stage; "full" recomputation one more forward of every block (2N + 4 h s
+    per token: Megatron-LM's appendix counts 4 x instead of 3 x). The embedding's lookup is
+    not a matmul."""
+    layout = strategy.layout
+    tokens = strategy.micro_batch * model.seq // layout.cp
+    blocks = stage_layers(model, strategy)[stage]
+    matmul = model.block_matmul_weights() + (model.block_split() - model.block_matmul_weights()) + \
+        model.block_replicated()
+    per_token = blocks * (6 * matmul + 12 * model.hidden * model.seq)
+    if strategy.recompute == "full":
+        per_token += blocks * (2 * matmul + 4 * model.hidden * model.seq)
+    if stage == layout.pp - 1:
+        per_token += 6 * (model.vocab * model.hidden + model.norm_params())
+    return tokens * per_token / layout.tp
+
+
+def compute_seconds(model: Model, cluster: Cluster, run: Run, strategy: Strategy) -> tuple[float, float]:
+    """(step compute seconds, bubble share): the slowest stage's time per micro-batch t =
+    max stage_flops / (peak x MFU) sets the pace, (m + (pp - 1) / v) t, of which (pp-1)/v t is
+    lesson 05's bubble ((interleaved) 1F1B's closed form). Equal stages: 6 N tokens / (GPUs x
+    peak x MFU) / (1 - bubble)."""
+    layout = strategy.layout
+    m = microbatches(run, strategy)
+    slowest = max(stage_flops(model, run, strategy, d) for d in positions(layout.pp))
+    per_micro = slowest / (cluster.peak_flops * run.mfu)
+    kind = "interleaved" if strategy.chunks > 1 else "1f1b"
+    bubble = pipeline.bubble_closed_form(kind, layout.pp, m, strategy.chunks)
+    return m * per_micro / (1 - bubble), bubble
+
+
+# ============================================================================ 6. the ranking
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-    """One layout's prediction: its worst stage's memory, the slowest stage's traffic, the
-    1F1B bubble (share of total time), and the step time compute / (1 - bubble) + the
-    traffic's seconds (simplified: nothing overlapped)."""
+    """One strategy's prediction: its worst stage's memory, the slowest stage's traffic, the
+    compute time (the bubble in it) and the step time: compute + every collective's time, or
+    with `overlap` compute + tp's time + whatever of dp's, pp's and cp's exceeds compute."""
 
-    layout: nd.Layout
+    strategy: Strategy
     microbatches: int
     memory: Memory
     fits: bool
     traffic: dict[str, LinkTraffic]
     compute_s: float
     bubble: float
+    overlap: bool = False
+
+    @property
+    def layout(self) -> nd.Layout:
+        return self.strategy.layout
 
     @property
     def communication_s(self) -> float:
@@ -407,28 +882,41 @@ class Candidate:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s / (1 - self.bubble) + self.communication_s
+        if not self.overlap:
+            return self.compute_s + self.communication_s
+        hidden = sum(t.seconds for dim, t in self.traffic.items() if dim != "tp")
+        return self.compute_s + self.traffic["tp"].seconds + max(0.0, hidden - self.compute_s)
+
+
+def candidate(model: Model, cluster: Cluster, run: Run, strategy: Strategy) -> Candidate:
+    """`strategy` predicted: memory per stage (the worst kept), traffic per stage (the
+    slowest kept), compute."""
+    usable = cluster.memory_bytes * (1 - run.headroom)
+    stages = positions(strategy.layout.pp)
+    memories = memory_per_stage(model, run, strategy, cluster, stages)
+    worst = max(memories, key=lambda mem: mem.peak)
+    traffic = max((communication(model, cluster, run, strategy, d) for d in stages),
+                  key=lambda t: sum(x.seconds for x in t.values()))
+    compute, bubble = compute_seconds(model, cluster, run, strategy)
+    return Candidate(strategy, microbatches(run, strategy), worst, worst.peak <= usable, traffic,
+                     compute, bubble, run.overlap)
 
 
 def evaluate(model: Model, cluster: Cluster, run: Run) -> list[Candidate]:
-    """Every layout nd.py can build on the cluster, predicted, fastest first (fitting or not).
-    A layout fits when its worst stage's peak <= memory x (1 - headroom)."""
-    usable = cluster.memory_bytes * (1 - run.headroom)
-    compute = compute_seconds(model, cluster, run)
-    out = []
-    for layout in enumerate_layouts(model, cluster, run):
-        m = microbatches(run, layout)
-        worst = max(memory_per_stage(model, layout, run), key=lambda mem: mem.peak)
-        traffic = max((communication(model, cluster, layout, run, stage) for stage in range(layout.pp)),
-                      key=lambda t: sum(x.seconds for x in t.values()))
-        out.append(Candidate(layout, m, worst, worst.peak <= usable, traffic, compute,
-                             pipeline.bubble_closed_form("1f1b", layout.pp, m)))
+    """Every strategy of every layout, predicted, fastest first (fitting or not)."""
+    out = [candidate(model, cluster, run, s) for layout in all_layouts(cluster.gpus)
+           for s in strategies(model, cluster, run, layout)]
     return sorted(out, key=lambda c: (c.step_s, c.memory.peak))
 
 
-def plan(model: Model, cluster: Cluster, run: Run) -> list[Candidate]:
-    """The layouts that fit, best (lowest estimated step time) first."""
-    return [c for c in evaluate(model, cluster, run) if c.fits]
+def plan(model: Model, cluster: Cluster, run: Run,
+         candidates: list[Candidate] | None = None) -> list[Candidate]:
+    """Each layout's fastest fitting strategy, best (lowest estimated step time) first."""
+    best: dict[nd.Layout, Candidate] = {}
+    for c in candidates if candidates is not None else evaluate(model, cluster, run):
+        if c.fits and c.layout not in best:
+            best[c.layout] = c
+    return sorted(best.values(), key=lambda c: (c.step_s, c.memory.peak))
 
 
 def why_empty(model: Model, cluster: Cluster, run: Run,
@@ -436,14 +924,15 @@ def why_empty(model: Model, cluster: Cluster, run: Run,
     """Why `plan` is empty (or "" when it is not); `candidates`: evaluate's, if at hand."""
     candidates = evaluate(model, cluster, run) if candidates is None else candidates
     if not candidates:
-        reasons = sorted({why_refused(model, cluster, run, layout) for layout in all_layouts(cluster.gpus)})
+        reasons = sorted({why_refused(model, cluster, run, Strategy(layout, min(run.micro_batches)))
+                          for layout in all_layouts(cluster.gpus)} - {None})
         return f"no layout of {cluster.gpus} GPUs can be built: " + "; ".join(reasons)
     if any(c.fits for c in candidates):
         return ""
     smallest = min(candidates, key=lambda c: c.memory.peak)
     return (f"no layout fits in {cluster.memory_bytes * (1 - run.headroom) / GB:.1f} GB per GPU "
             f"(memory less {run.headroom:.0%} headroom): the smallest predicted peak is "
-            f"{smallest.memory.peak / GB:.1f} GB ({layout_name(smallest.layout)}, stage "
+            f"{smallest.memory.peak / GB:.1f} GB ({strategy_name(smallest.strategy)}, stage "
             f"{smallest.memory.stage})")
 
 
@@ -453,47 +942,129 @@ def layout_name(layout: nd.Layout) -> str:
                     if getattr(layout, dim) > 1) or "1"
 
 
-def format_plan(model: Model, cluster: Cluster, run: Run, top: int = 10) -> str:
-    """The plan as text: the inputs, then one row per fitting layout, best first (or why none)."""
+def strategy_name(strategy: Strategy) -> str:
+    """dp8xtp2xpp4 b1 zero1 sel v2 k1: the layout, the micro-batch, ZeRO, recomputation, and
+    the chunks and shift when used."""
+    short = {"none": "keep", "selective": "sel", "full": "full"}[strategy.recompute]
+    extra = (f" v{strategy.chunks}" if strategy.chunks > 1 else "") + \
+        (f" k{strategy.shift}" if strategy.shift else "")
+    return f"{layout_name(strategy.layout)} b{strategy.micro_batch} {strategy.zero} {short}{extra}"
+
+
+def format_plan(model: Model, cluster: Cluster, run: Run, top: int = 10,
+                candidates: list[Candidate] | None = None) -> str:
+    """The plan as text: the inputs, then one row per layout (its best strategy), best first
+    (or why none fits); `candidates`: evaluate's, if at hand."""
+    r = run.recipe
     lines = [
-        f"model: {model.layers} layers, hidden {model.hidden}, {model.heads} heads, vocab "
-        f"{model.vocab}, seq {model.seq}: {model.parameters() / 1e9:.2f} B parameters",
+        f"model: {model.layers} layers, hidden {model.hidden}, {model.heads} heads ({model.kv_heads} "
+        f"key/value), {model.mlp} {model.ffn}, vocab {model.vocab}, seq {model.seq}: "
+        f"{model.parameters() / 1e9:.2f} B parameters",
         f"cluster: {cluster.gpus} GPUs, {cluster.gpus_per_node} per node, "
         f"{cluster.memory_bytes / GB:.0f} GB each ({run.headroom:.0%} kept free), NVLink "
         f"{cluster.intra_bandwidth / GB:.0f} GB/s, network {cluster.inter_bandwidth / GB:.0f} GB/s "
         f"per GPU, {cluster.peak_flops / 1e12:.0f} TFLOP/s peak",
-        f"run: {run.global_batch} sequences x {model.seq} tokens, micro-batch {run.micro_batch}, "
-        f"bytes/element weights {run.param_bytes} grads {run.grad_bytes} optimizer "
-        f"{run.optimizer_bytes} activations {run.activation_bytes}, ZeRO-1 over dp, 1F1B, MFU "
-        f"{run.mfu:.0%}",
-        "step = compute / (1 - bubble) + communication (simplified: nothing overlapped)",
+        f"run: {run.global_batch} sequences x {model.seq} tokens, engine {run.engine}, recipe {r.name} "
+        f"(weights {r.weights} grads {r.grads} optimizer {r.optimizer} bytes), MFU {run.mfu:.0%}, "
+        f"cp {'in' if run.fold_cp else 'beside'} ZeRO's group",
+        "step = slowest stage's compute / (1 - bubble) + communication" +
+        (" (dp, pp, cp overlapped with compute)" if run.overlap else " (simplified: nothing overlapped)"),
     ]
-    candidates = evaluate(model, cluster, run)
-    fitting = [c for c in candidates if c.fits]
+    candidates = evaluate(model, cluster, run) if candidates is None else candidates
+    fitting = plan(model, cluster, run, candidates)
     if not fitting:
         return "\n".join(lines + ["", why_empty(model, cluster, run, candidates)])
-    lines += ["", f"{'#':>3}  {'layout':<16}{'m':>5}  {'GB/GPU':>7} {'states':>7} {'act':>6}  "
+    lines += ["", f"{'#':>3}  {'strategy':<34}{'m':>5}  {'GB/GPU':>7} {'states':>7} {'act':>6}  "
               f"{'tp GB':>8} {'cp GB':>8} {'pp GB':>7} {'dp GB':>7}  {'bubble':>6}  "
               f"{'comm s':>7} {'step s':>7}"]
     for i, c in enumerate(fitting[:top], 1):
         t = c.traffic
         link = {dim: "*" if t[dim].link == "network" and t[dim].bytes else " " for dim in t}
         lines.append(
-            f"{i:>3}  {layout_name(c.layout):<16}{c.microbatches:>5}  {c.memory.peak / GB:>7.1f} "
-            f"{c.memory.states / GB:>7.1f} {c.memory.activations / GB:>6.1f}  "
+            f"{i:>3}  {strategy_name(c.strategy):<34}{c.microbatches:>5}  {c.memory.peak / GB:>7.1f} "
+            f"{c.memory.states / GB:>7.1f} {(c.memory.activations + c.memory.working) / GB:>6.1f}  "
             + " ".join(f"{t[dim].bytes / GB:>{w}.2f}{link[dim]}" for dim, w in
                        (("tp", 7), ("cp", 7), ("pp", 6), ("dp", 6)))
             + f"  {c.bubble:>6.1%}  {c.communication_s:>7.2f} {c.step_s:>7.2f}")
-    lines.append(f"({len(fitting)} of {len(candidates)} buildable layouts fit; "
-                 "* = over the network, else NVLink)")
+    lines.append(f"({len(fitting)} of {len({c.layout for c in candidates})} buildable layouts fit; "
+                 "* = over the network, else NVLink; act = activations + backward's working set)")
     return "\n".join(lines)
 
 
-# ============================================================================ 6. named models and GPUs
+# ============================================================================ 7. named models, GPUs, runs
 
 MODELS = {  # named shapes for --plan-model
-    "llama3-8b-class": Model(layers=32, hidden=4096, heads=32, vocab=128256, seq=8192),
-    "gpt2-xl": Model(**memory.GPT2_XL),
+    "llama3-8b-class": Model(layers=32, hidden=4096, heads=32, vocab=128256, seq=8192),  # our block
+    "llama3-8b": Model(32, 4096, 32, 128256, 8192, kv_heads=8, ffn=14336, mlp="swiglu", norm="rmsnorm",
+                       bias=False, positions="rope"),
+    "llama3-70b": Model(80, 8192, 64, 128256, 8192, kv_heads=8, ffn=28672, mlp="swiglu", norm="rmsnorm",
+                        bias=False, positions="rope"),
+    "llama3-405b": Model(126, 16384, 128, 128256, 8192, kv_heads=8, ffn=53248, mlp="swiglu",
+                         norm="rmsnorm", bias=False, positions="rope"),
+    "gpt3-175b": Model(96, 12288, 96, 51200, 2048, tied=True),
+    "gpt2-xl": Model(**memory.GPT2_XL, tied=True),
     "tiny": Model.of(nd_model.GPTConfig()),
 }
-H100_80GB = {"memory_gb": 80.0, "nvlink_gbs": 450.0, "network_gbs": 50.0, "peak_tflops": 989.0}
+GPUS = {  # per GPU; NVLink one way; the network one way (one NIC per GPU)
+    "h100": {"memory_gb": 80.0, "nvlink_gbs": 450.0, "network_gbs": 50.0, "peak_tflops": 989.0},
+    "a100": {"memory_gb": 80.0, "nvlink_gbs": 300.0, "network_gbs": 25.0, "peak_tflops": 312.0},
+}
+H100_80GB = GPUS["h100"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """A published training run: the model, the cluster, the global batch in sequences, and
+    the layout and choices it used (`used`, words), with where that is written."""
+
+    name: str
+    model: str
+    gpu: str
+    gpus: int
+    global_batch: int
+    seq: int
+    used: nd.Layout
+    choices: str
+    source: str
+
+
+PUBLISHED = [
+    Published("Llama 3 405B, 8K", "llama3-405b", "h100", 8192, 2048, 8192, nd.Layout(dp=64, tp=8, pp=16),
+              "FSDP without resharding after forward, interleaved 1F1B, one layer off the first and "
+              "last stages, no activation checkpointing, fp32 gradient reduce-scatter",
+              "Llama 3 (arXiv 2407.21783), Table 4 and 3.3.2"),
+    Published("Llama 3 405B, 8K, 16K GPUs", "llama3-405b", "h100", 16384, 2048, 8192,
+              nd.Layout(dp=128, tp=8, pp=16), "as above", "Llama 3 (arXiv 2407.21783), Table 4"),
+    Published("Llama 3 405B, 128K", "llama3-405b", "h100", 16384, 128, 131072,
+              nd.Layout(dp=8, tp=8, pp=16, cp=16), "as above, cp 16 (all-gather of K and V)",
+              "Llama 3 (arXiv 2407.21783), Table 4 and 3.3.2"),
+    Published("GPT-3 175B", "gpt3-175b", "a100", 1536, 1536, 2048, nd.Layout(dp=16, tp=8, pp=12),
+              "model-parallel size 96 (tp 8, a node, as 5.4.1 finds best; so pp 12), micro-batch "
+              "1, interleaved schedule, activation recomputation, 141 TFLOP/s per GPU",
+              "Narayanan et al. (arXiv 2104.04473), Table 2 and 5.1"),
+]
+
+
+def published_check(run: Published) -> tuple[Candidate, int, int]:
+    """The planner asked about the layout a published run used (megatron engine, the default
+    bf16 recipe and 10% headroom, every choice searched): (its fastest fitting strategy, or
+    the one with the smallest peak if none fits; the strategies that fit; those searched)."""
+    model = dataclasses.replace(MODELS[run.model], seq=run.seq)
+    cluster, plan_run = Cluster.of(run.gpu, run.gpus), Run(run.global_batch)
+    searched = [candidate(model, cluster, plan_run, s) for s in strategies(model, cluster, plan_run,
+                                                                           run.used)]
+    fitting = sorted((c for c in searched if c.fits), key=lambda c: (c.step_s, c.memory.peak))
+    best = fitting[0] if fitting else min(searched, key=lambda c: c.memory.peak)
+    return best, len(fitting), len(searched)
+
+
+def format_published() -> str:
+    """PUBLISHED as a markdown table, each run's layout and the planner's verdict on it."""
+    lines = ["| run | GPUs | global batch x seq | layout used | fits / searched | planner's best strategy "
+             "for it | GB/GPU |", "|---|---|---|---|---|---|---|"]
+    for run in PUBLISHED:
+        best, fits, searched = published_check(run)
+        lines.append(f"| {run.name} | {run.gpus} {run.gpu.upper()} | {run.global_batch} x {run.seq} | "
+                     f"{layout_name(run.used)} | {fits} / {searched} | {strategy_name(best.strategy)} | "
+                     f"{best.memory.peak / GB:.1f} |")
+    return "\n".join(lines)
