@@ -172,8 +172,10 @@ class TestCostModel(unittest.TestCase):
     def test_flops_per_token_is_6n_plus_attention(self):
         self.assertEqual(flops.flops_per_token(10, 0, 64, 128), 60, "6N: 2N forward + 4N backward")
         self.assertEqual(flops.flops_per_token(1000, 2, 64, 128), 6000 + 12 * 2 * 64 * 128)
-        gpt2 = flops.flops_per_token(124_000_000, 12, 768, 1024)  # the README's worked example
-        self.assertEqual(round(gpt2 / 1e6), 857)
+        gpt2_params, positions = 124_439_808, 1024 * 768  # the README's worked example
+        gpt2 = flops.flops_per_token(gpt2_params - positions, 12, 768, 1024)
+        self.assertEqual(round(gpt2 / 1e6), 855, "GPT-2 small's FLOPs per token, in millions")
+        self.assertEqual(round(100 * gpt2 * 1e6 / (8 * 989e12), 1), 10.8, "MFU of the README's example")
 
     def test_matmul_params_leave_out_the_position_table(self):
         model = M.tiny_gpt.TinyGPT(58, 64, 4, 2, 64)  # the demo's model: README, "The math"
@@ -614,7 +616,7 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"**{self.metrics['params']:,}** parameters", README)
         self.assertIn(f"**{self.metrics['flops_per_token']:,}** FLOPs per character", README)
         self.assertEqual(self.metrics["flops_per_token"], flops.flops_per_token(103_808, 2, 64, 64))
-        # the worked GPT-2 example (857M FLOPs per token, 10.8% MFU): TestCostModel
+        # the worked GPT-2 example (855M FLOPs per token, 10.8% MFU): TestCostModel
         self.assertEqual(flops.peak_flops_for("NVIDIA H100 80GB HBM3"), 989e12)
         self.assertEqual(M.micro_batch_size(24, 2, 2), 6)
         self.assertIn("2 ranks x 2 micro-batches of 6 sequences", README)
