@@ -113,8 +113,9 @@ def rotate(ckpt_dir: Path, keep: int) -> list[int]:
     """Keep the newest `keep` committed checkpoints BY STEP NUMBER (never by file time, which
     a copy or a clock step can reorder) and remove uncommitted leftovers (step directories
     without a manifest) older than the newest commit; newer ones stay (`discard_newer_than`
-    handles them on resume). `keep < 1` raises ValueError. Returns the committed steps removed,
-    oldest first."""
+    handles them on resume). `keep < 1` raises ValueError. Removal is best effort (rmtree with
+    ignore_errors): `latest` has already moved, so a directory that cannot be deleted must not
+    fail the save. Returns the committed steps rotated out, oldest first."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     steps = committed_steps(ckpt_dir)

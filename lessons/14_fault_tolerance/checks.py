@@ -57,6 +57,11 @@ FAULTS = ("crash", "hang", "exit", "sigterm", "bitflip", "slow")
 # dev machine); a wrong batch, LR or moment is 1e-4 or more.
 RESHARD_TOLERANCE = 1e-10
 SLOW_SECONDS = 0.4  # the injected straggler's extra time per step (a step takes ~0.05 s here)
+# ... or SLOW_FACTOR x the rank's fastest step so far, if longer: on a loaded machine every
+# rank's work grows with the load but a sleep does not, so a fixed 0.4 s stops being 2x the
+# others' work (name_straggler's factor); 4x a whole step keeps the slow rank's work about
+# 5x the others' at any load
+SLOW_FACTOR = 4.0
 FR_BUFFER = "2000"  # TORCH_FR_BUFFER_SIZE for the ranks: PyTorch's flight recorder, also on gloo
 # Daly (2006), Figs. 3-5 (500 h of work, 5-minute saves, 10-minute restarts): MTBF in seconds,
 # the optimum interval he prints in minutes, half a unit of its last digit
@@ -79,19 +84,26 @@ class Fault:
     """`kind` on rank `rank` after step `step` of attempt 0 only (torchrun's restart count or
     our agent's): crash, hang and exit through the launcher's `inject_fault`; sigterm: the rank
     receives SIGTERM (a scheduler's notice); bitflip: one bit of one parameter flips in memory;
-    slow: the rank sleeps SLOW_SECONDS after this step and the next."""
+    slow: the rank sleeps max(SLOW_SECONDS, SLOW_FACTOR x its fastest step before) after this
+    step and the next (a step: from one call to the next, the sleep excluded)."""
 
     kind: str | None
     rank: int
     step: int
     attempt: int = 0
     fired: bool = False
+    last_call: float | None = None  # time.monotonic() at the end of the previous call
+    fastest_step: float = 0.0  # seconds, the shortest step seen before the slow ones
 
     def __call__(self, ctx: RankContext, trainer) -> None:
         if self.kind is None or ctx.rank != self.rank or recovery.restart_count(self.attempt):
             return
+        if self.kind == "slow" and trainer.step < self.step and self.last_call is not None:
+            step = time.monotonic() - self.last_call
+            self.fastest_step = min(self.fastest_step or step, step)
         if self.kind == "slow" and self.step <= trainer.step <= self.step + 1:
-            time.sleep(SLOW_SECONDS)
+            time.sleep(max(SLOW_SECONDS, SLOW_FACTOR * self.fastest_step))
+        self.last_call = time.monotonic()
         if self.fired or trainer.step != self.step:
             return
         self.fired = True  # a step replayed after a rollback does not fail again

@@ -143,7 +143,8 @@ def diagnose(dumps: list[dict | None]) -> dict:
       the culprits; the message names each one's rank, step and last collective, and the
       collective #s (op, group) the others wait in.
     "mismatch": every member entered #s but their (op, sizes) differ: culprits = the members
-      whose (op, sizes) differs from the most common one (all of them on a tie).
+      whose (op, sizes) differs from the most common one (all of them on a tie); the message
+      names collective #s, its group and every member's op and sizes.
     "waiting": every member entered the same #s and it is not completed anywhere: no rank is
       behind (a transport or network hang); culprits = [].
     "stuck": no collective is pending: culprits = the ranks at the lowest step (stuck in

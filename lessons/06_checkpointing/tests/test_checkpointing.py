@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import importlib
 import io
@@ -32,6 +33,7 @@ import tempfile
 import threading
 import time
 import unittest
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -267,8 +269,55 @@ class TestCommit(TmpDir):
         with self.assertRaises(ValueError, msg="rotate(keep=0) must be refused"):
             M.rotate(ckpt, 0)
 
+    def test_rotation_without_a_commit_removes_nothing(self):
+        ckpt = self.dir / "ck"
+        ckpt.mkdir()
+        self.assertEqual(M.rotate(ckpt, 1), [], "rotate(keep=1) of an empty checkpoint directory")
+        (ckpt / M.step_dir_name(0)).mkdir()  # the first save, half-written: nothing committed yet
+        removed, left = M.rotate(ckpt, 1), sorted(p.name for p in ckpt.iterdir())
+        self.assertEqual((removed, left), ([], [M.step_dir_name(0)]),
+                         "rotate(keep=1) with no committed step and an uncommitted step-00000000/ "
+                         "(no commit, so nothing is older than the newest commit): expected "
+                         f"([], ['step-00000000']), got {(removed, left)}")
+
+    def test_a_checkpoint_that_cannot_be_deleted_does_not_fail_the_rotation(self):
+        """rotate runs after `latest` has moved: an exception there would report a committed
+        save as failed ("latest and older checkpoints are untouched", which is then false)."""
+        ckpt = self.dir / "ck"
+        with plain_writes():
+            for step in (1, 2, 3):
+                C.save_single(ckpt, step, keep=10)
+        leftover = ckpt / M.step_dir_name(0)  # uncommitted, older than the newest commit
+        leftover.mkdir()
+        (leftover / M.shard_name(0, 1)).write_bytes(b"half")
+        real_unlink = os.unlink
+
+        def unlink(path, *args, **kwargs):  # a shard file that cannot be deleted
+            if Path(path).name.startswith("shard-"):
+                raise PermissionError(errno.EACCES, "Permission denied (injected)", str(path))
+            return real_unlink(path, *args, **kwargs)
+        with mock.patch.object(os, "unlink", unlink):
+            try:
+                M.rotate(ckpt, 1)
+                raised = None
+            except OSError as exc:
+                raised = exc
+        self.assertIsNone(raised, "rotate(keep=1) of steps [1, 2, 3] plus an uncommitted "
+                          "step-00000000/, every shard file undeletable: expected a best-effort "
+                          f"removal (no exception), got {raised!r}")
+        self.assertEqual((ckpt / M.LATEST).read_text(), "step-00000003\n", "latest after rotate")
+
 
 # ============================================================================ verified-load
+
+
+def refusal(function, *args) -> str:
+    """"Type: message" of the exception `function(*args)` raised, or "accepted"."""
+    try:
+        function(*args)
+    except Exception as exc:  # noqa: BLE001 (any exception is a result here)
+        return f"{type(exc).__name__}: {exc}"
+    return "accepted"
 
 
 def committed_fixture(ckpt: Path, step: int, world: int = 1, fingerprint: str = "f",
@@ -343,6 +392,79 @@ class TestVerifiedLoad(TmpDir):
         committed_fixture(ckpt, 1, state={"config": T.TrainConfig()})
         with self.assertRaisesRegex(M.CheckpointError, "shard-00000-of-00001.pt: cannot be deserialised"):
             M.load_latest(ckpt, 1, False, "f")
+        # torch honours TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD only where the call does not say
+        # weights_only (torch/serialization.py): the docstring's explicit weights_only=True holds
+        with mock.patch.dict(os.environ, {"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}), \
+                warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = refusal(M.load_latest, ckpt, 1, False, "f")
+        self.assertIn("cannot be deserialised", got, "a shard holding a pickled TrainConfig, loaded "
+                      "with TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1 set: expected the CheckpointError of "
+                      "torch.load(weights_only=True)")
+
+    def test_every_manifest_entry_is_checked_against_its_rank(self):
+        """Damage the 2-rank manifest (or `latest`) one way at a time: each is refused with a
+        CheckpointError that starts with the offending file and says why."""
+        def entries(change):
+            def apply(step_dir, manifest):
+                change(manifest["files"])
+            return apply
+
+        def drop_rank_1(step_dir, manifest):
+            manifest["files"] = manifest["files"][:1]
+            (step_dir / M.shard_name(1, 2)).unlink()
+        cases = [
+            ("an entry without its sha256", entries(lambda f: f[0].pop("sha256")), M.MANIFEST,
+             "needs name, rank, bytes and sha256"),
+            ("the name '.'", entries(lambda f: f[0].update(name=".")), M.MANIFEST, "escapes"),
+            ("the name '..'", entries(lambda f: f[0].update(name="..")), M.MANIFEST, "escapes"),
+            ("a name with a backslash", entries(lambda f: f[0].update(name="..\\shard-00000-of-00002.pt")),
+             M.MANIFEST, "escapes"),
+            ("rank 0's file listed as rank 1's and rank 1's as rank 0's (sizes, hashes right)",
+             entries(lambda f: (f[0].update(rank=1), f[1].update(rank=0))), M.MANIFEST,
+             "is not the shard name"),
+            ("a name of a 3-rank checkpoint", entries(lambda f: f[0].update(name=M.shard_name(0, 3))),
+             M.MANIFEST, "is not the shard name"),
+            ("a name that is no shard name", entries(lambda f: f[0].update(name="weights.pt")),
+             M.MANIFEST, "is not the shard name"),
+            ("no entry for rank 1 (its file gone too)", drop_rank_1, M.shard_name(1, 2), "missing shard"),
+        ]
+        for index, (label, damage, culprit, fragment) in enumerate(cases):
+            with self.subTest(label):
+                step_dir = committed_fixture(self.dir / f"case-{index}", 4, world=2)
+                manifest = json.loads((step_dir / M.MANIFEST).read_text())
+                damage(step_dir, manifest)
+                (step_dir / M.MANIFEST).write_text(json.dumps(manifest))
+                got = refusal(M.verify_checkpoint, step_dir, 2)
+                self.assertTrue(got.startswith(f"CheckpointError: {step_dir / culprit}:") and fragment in got,
+                                f"verify_checkpoint of a 2-rank checkpoint, manifest with {label}: expected "
+                                f"CheckpointError('{step_dir / culprit}: ... {fragment} ...'), got {got}")
+        step_dir = committed_fixture(self.dir / "a_list", 4, world=2)
+        (step_dir / M.MANIFEST).write_text("[1, 2]")
+        got = refusal(M.verify_checkpoint, step_dir, 2)
+        self.assertTrue(got.startswith(f"CheckpointError: {step_dir / M.MANIFEST}:"),
+                        f"a manifest that is a JSON list, not an object: expected a CheckpointError "
+                        f"naming {step_dir / M.MANIFEST}, got {got}")
+        ckpt = self.dir / "a_list"
+        (ckpt / M.LATEST).write_bytes(b"\xff\xfestep-00000004\n")
+        got = refusal(M.read_latest, ckpt)
+        self.assertTrue(got.startswith("CheckpointError: ") and "is not a step directory name" in got,
+                        "`latest` holding bytes that are not UTF-8: expected CheckpointError('... is "
+                        f"not a step directory name ...'), got {got}")
+
+    def test_load_latest_verifies_with_its_own_arguments(self):
+        ckpt = self.dir / "ck"
+        committed_fixture(ckpt, 2, world=2)
+        for args, fragment in (((2, False, "other"), "belongs to another run"),
+                               ((3, False, "f"), "pass --reshard"),
+                               ((1, False, "f"), "pass --reshard")):
+            got = refusal(M.load_latest, ckpt, *args)
+            self.assertIn(fragment, got, f"load_latest(ckpt, world={args[0]}, reshard={args[1]}, "
+                          f"fingerprint={args[2]!r}) of a 2-rank checkpoint of run 'f': expected "
+                          f"CheckpointError('... {fragment} ...'), got {got}")
+        manifest, shards = M.load_latest(ckpt, 3, True, "f")
+        self.assertEqual((manifest["world_size"], [s["rank"] for s in shards]), (2, [0, 1]),
+                         "load_latest(ckpt, world=3, reshard=True, 'f') of a 2-rank checkpoint")
 
 
 # ============================================================================ failure-safe-save
@@ -383,9 +505,11 @@ class TestCheckpointerAgreement(unittest.TestCase):
             with self.subTest(where):
                 self.assertEqual(run["errors"], [None, None], f"{where}: no save may fail")
                 size = run["size"]
-                expected = [{"step": step, "world": size, "fingerprint": "fp", "keep": 2,
-                             "ranks": list(range(size))} for step in (1, 2)] if run["group_rank"] == 0 else []
+                expected = [{"in": "the checkpointer's directory", "step": step, "world": size,
+                             "fingerprint": "fp", "keep": 2, "ranks": list(range(size))}
+                            for step in (1, 2)] if run["group_rank"] == 0 else []
                 self.assertEqual(run["commits"], expected, f"{where}: only group rank 0 commits, "
+                                 "into the checkpointer's directory, "
                                  "with every group rank's entry in group-rank order and the group's size")
 
     def test_a_failed_write_on_any_rank_commits_nothing_and_every_rank_raises(self):
@@ -399,7 +523,8 @@ class TestCheckpointerAgreement(unittest.TestCase):
                         self.assertNotIn(2, [commit["step"] for commit in run["commits"]],
                                          f"{where}: step 2 was committed although group rank "
                                          f"{fail_rank}'s write failed")
-                        self.assertEqual(run["commits"], [{"step": 1, "world": size, "fingerprint": "fp",
+                        self.assertEqual(run["commits"], [{"in": "the checkpointer's directory",
+                                                           "step": 1, "world": size, "fingerprint": "fp",
                                                            "keep": 2, "ranks": list(range(size))}]
                                          if run["group_rank"] == 0 else [],
                                          f"{where}: the commits made (only step 1, by group rank 0)")
@@ -529,6 +654,39 @@ class TestExactResume(unittest.TestCase):
         torch.manual_seed(123)
         self.assertEqual(got, (random.random(), torch.rand(1).item()),
                          "restore_rng=False (resharding) must not touch Python's or torch's RNG")
+
+    def test_the_cuda_generator_of_the_given_device_is_saved_and_restored(self):
+        """No GPU here: torch.cuda's generator calls are recorders (the CPU generators are real).
+        The state saved for cuda:3 holds that device's generator, and restoring it for cuda:3
+        sets that generator; a CPU (or no) device, or a state without one, touches no CUDA."""
+        device, cuda_state = torch.device("cuda", 3), torch.arange(16, dtype=torch.uint8)
+
+        def restored(calls) -> list:
+            """(the state passed is the saved one, the device) per torch.cuda.set_rng_state call."""
+            return [((c.args or [c.kwargs.get("new_state")])[0] is cuda_state,
+                     torch.device(c.args[1] if len(c.args) > 1 else c.kwargs.get("device", "cuda")))
+                    for c in calls]
+        with mock.patch.object(torch.cuda, "get_rng_state", return_value=cuda_state) as get_one, \
+                mock.patch.object(torch.cuda, "set_rng_state") as set_one:
+            state = R.exact_resume_state(1, *self._tiny(), None, R.DataCursor(4, 2, 0), device)
+            self.assertEqual(sorted(state["rng"]), ["cuda", "python", "torch"],
+                             "exact_resume_state(..., device=cuda:3): the RNG states saved")
+            self.assertIs(state["rng"]["cuda"], cuda_state, "the saved CUDA state is cuda:3's")
+            self.assertEqual([torch.device(*c.args) for c in get_one.call_args_list], [device],
+                             "exact_resume_state(..., device=cuda:3) reads cuda:3's generator, once")
+            R.restore_exact_resume_state(state, *self._tiny(), None, R.DataCursor(4, 2, 0), device)
+            self.assertEqual(restored(set_one.call_args_list), [(True, device)],
+                             "restore_exact_resume_state(..., device=cuda:3): expected one "
+                             "torch.cuda.set_rng_state(the saved state, cuda:3), got "
+                             f"{restored(set_one.call_args_list)}")
+            set_one.reset_mock()
+            without = {key: value for key, value in state["rng"].items() if key != "cuda"}
+            for rng, where, label in ((state["rng"], "cpu", "a CUDA state restored on the CPU"),
+                                      (state["rng"], None, "a CUDA state restored without a device"),
+                                      (without, device, "a CPU-only state restored on cuda:3")):
+                R.set_rng_state(rng, where)
+                self.assertEqual(restored(set_one.call_args_list), [],
+                                 f"set_rng_state: {label} must not set a CUDA generator")
 
     @staticmethod
     def _tiny():

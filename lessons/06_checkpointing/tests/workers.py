@@ -75,7 +75,8 @@ def _votes(ctx, ckpt_dir: Path, group) -> list[dict]:
     failure: none, the write of group rank r at step 2, group rank 0's commit at step 2. The
     shard writes and the commit are recorders (main.py's write_shard and commit patched), so
     only the agreement, `Checkpointer._commit_everywhere`, is graded. Per run: the commits this
-    rank made and the CheckpointError message (or None) of each step."""
+    rank made (where, step, world, fingerprint, keep, ranks) and the CheckpointError message
+    (or None) of each step."""
     results = []
     size = dist.get_world_size(group)
     for failure in [None, *[f"rank {r}" for r in range(size)], "commit"]:
@@ -88,14 +89,17 @@ def _votes(ctx, ckpt_dir: Path, group) -> list[dict]:
                 return {"name": M.shard_name(rank, world), "rank": rank, "bytes": len(payload),
                         "sha256": "-"}
 
+            directory = ckpt_dir / f"{failure}-{async_save}".replace(" ", "")
+
             def commit(ckpt, step, world, entries, fingerprint, keep, failure=failure,
-                       commits=commits):
+                       commits=commits, directory=directory):
                 if failure == "commit" and step == 2:
                     raise OSError(errno.EIO, "Input/output error (injected)")
-                commits.append({"step": step, "world": world, "fingerprint": fingerprint,
-                                "keep": keep, "ranks": [entry.get("rank") for entry in entries]})
+                commits.append({"in": "the checkpointer's directory" if ckpt is not None
+                                and Path(ckpt) == directory else str(ckpt), "step": step,
+                                "world": world, "fingerprint": fingerprint, "keep": keep,
+                                "ranks": [entry.get("rank") for entry in entries]})
 
-            directory = ckpt_dir / f"{failure}-{async_save}".replace(" ", "")
             checkpointer = M.Checkpointer(directory, keep=2, save_every=1, async_save=async_save,
                                           group=group)
             trainer, errors = _Trainer(dist.get_rank(group)), []

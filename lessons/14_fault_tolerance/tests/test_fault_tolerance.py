@@ -28,6 +28,8 @@ import unittest
 from pathlib import Path
 from unittest import mock
 
+import torch
+
 from lessons._launch import launch
 from lessons._testing import (
     REPO_ROOT,
@@ -103,6 +105,13 @@ class TestFailureModel(unittest.TestCase):
                                seg(10.0, 2.0, 30.0), delta=1e-12)
         self.assertAlmostEqual(FM.expected_wall_time(10.0, 50.0, 1.0, 2.0, 30.0),
                                seg(10.0, 2.0, 30.0), delta=1e-12)
+        # any unit (hours: values below 1 are valid), and a free save and restart are allowed:
+        # 0.5 h of work saved every 0.2 h is segments 0.2, 0.2 and the last 0.1
+        got = FM.expected_wall_time(0.5, 0.2, 0.0, 0.0, 0.8)
+        expected = 2 * seg(0.2, 0.0, 0.8) + seg(0.1, 0.0, 0.8)
+        self.assertAlmostEqual(got, expected, delta=1e-12,
+                               msg=f"expected_wall_time(work=0.5, interval=0.2, save=0, restart=0, "
+                               f"mtbf=0.8): expected {expected!r}, got {got!r}")
         for bad in ((0.0, 1.0, 0.0, 0.0, 1.0), (1.0, 0.0, 0.0, 0.0, 1.0),
                     (1.0, 1.0, -1.0, 0.0, 1.0), (1.0, 1.0, 0.0, 0.0, 0.0)):
             with self.subTest(bad=bad), self.assertRaises(ValueError):
@@ -134,15 +143,35 @@ class TestDiagnose(unittest.TestCase):
         return [{"rank": r, "step": (steps or {}).get(r, 5), "entries": e}
                 for r, e in sorted(per_rank.items())]
 
+    def diagnose(self, dumps: list) -> dict:
+        """M.diagnose(dumps), checked to return the documented keys and a one-line message."""
+        verdict = M.diagnose(dumps)
+        self.assertEqual(sorted(verdict), ["culprits", "kind", "message"],
+                         f"the keys diagnose returned (verdict {verdict})")
+        self.assertTrue(isinstance(verdict["message"], str) and "\n" not in verdict["message"],
+                        f"the message must be one line of text, got {verdict['message']!r}")
+        return verdict
+
     def test_the_rank_that_never_entered_is_named(self):
         e = self.entry
         dumps = self.dumps({0: [e(56), e(57, state="entered")], 1: [e(56), e(57, state="entered")],
                             2: [e(55), e(56)]}, steps={2: 4})
-        verdict = M.diagnose(dumps)
+        verdict = self.diagnose(dumps)
         self.assertEqual((verdict["kind"], verdict["culprits"]), ("behind", [2]),
                          "ranks 0 and 1 wait in #57; rank 2's last is #56: rank 2 is behind")
         for part in ("rank 2 at step 4", "all_reduce #56", "#57", "[0, 1]"):
-            self.assertIn(part, verdict["message"])
+            self.assertIn(part, verdict["message"], "the message names the rank behind, its step and "
+                          "last collective, and the collective ranks 0 and 1 wait in")
+
+    def test_a_rank_that_never_entered_any_collective_of_the_group_is_behind(self):
+        e = self.entry
+        # rank 2 hung before its first collective: ranks 0 and 1 wait in #1, rank 2 has no entry
+        verdict = self.diagnose(self.dumps({0: [e(1, state="entered")], 1: [e(1, state="entered")],
+                                            2: []}, steps={2: 0}))
+        self.assertEqual((verdict["kind"], verdict["culprits"]), ("behind", [2]),
+                         "ranks 0 and 1 wait in all_reduce #1, rank 2 never entered a collective: "
+                         f"expected ('behind', [2]), got {(verdict['kind'], verdict['culprits'])}")
+        self.assertIn("rank 2 at step 0", verdict["message"], "the message names rank 2 and its step")
 
     def test_a_subgroup_is_compared_among_its_members_only(self):
         e = self.entry
@@ -151,7 +180,7 @@ class TestDiagnose(unittest.TestCase):
         dumps = self.dumps({0: [e(9), e(3, op="broadcast", group=(0, 2), state="entered")],
                             1: [e(9), e(40, group=(1,))],
                             2: [e(9), e(2, op="broadcast", group=(0, 2))]})
-        verdict = M.diagnose(dumps)
+        verdict = self.diagnose(dumps)
         self.assertEqual((verdict["kind"], verdict["culprits"]), ("behind", [2]),
                          "rank 1 is not in group [0, 2]: only 0 and 2 count, and rank 2 is behind")
         self.assertIn("broadcast #3 on group [0, 2]", verdict["message"])
@@ -160,29 +189,52 @@ class TestDiagnose(unittest.TestCase):
         e = self.entry
         dumps = self.dumps({0: [e(7, state="entered")], 1: [e(7, state="entered")],
                             2: [e(7, op="broadcast", state="entered")]})
-        verdict = M.diagnose(dumps)
-        self.assertEqual((verdict["kind"], verdict["culprits"]), ("mismatch", [2]))
+        verdict = self.diagnose(dumps)
+        self.assertEqual((verdict["kind"], verdict["culprits"]), ("mismatch", [2]),
+                         "ranks 0 and 1 in all_reduce #7, rank 2 in broadcast #7")
+        for part in ("#7", "[0, 1, 2]", "all_reduce", "broadcast"):
+            self.assertIn(part, verdict["message"], "a mismatch's message names the collective #s, "
+                          "its group and every member's op and sizes")
         sizes = self.dumps({0: [e(7, group=(0, 1), state="entered")],
                             1: [e(7, group=(0, 1), state="entered", sizes=((5,),))]})
-        self.assertEqual(M.diagnose(sizes)["kind"], "mismatch", "same op, other sizes: a mismatch")
-        self.assertEqual(M.diagnose(sizes)["culprits"], [0, 1], "a tie names both")
+        verdict = self.diagnose(sizes)
+        self.assertEqual(verdict["kind"], "mismatch", "same op, other sizes: a mismatch")
+        self.assertEqual(verdict["culprits"], [0, 1], "a tie names both")
+        for part in ("[4]", "[5]"):
+            self.assertIn(part, verdict["message"], "a mismatch's message names every member's sizes")
 
     def test_everyone_waiting_in_one_collective_is_a_transport_hang(self):
         e = self.entry
-        verdict = M.diagnose(self.dumps({r: [e(7, state="entered")] for r in range(3)}))
-        self.assertEqual((verdict["kind"], verdict["culprits"]), ("waiting", []))
+        verdict = self.diagnose(self.dumps({r: [e(7, state="entered")] for r in range(3)}))
+        self.assertEqual((verdict["kind"], verdict["culprits"]), ("waiting", []),
+                         "(kind, culprits) of diagnose")
+
+    def test_a_one_member_group_waiting_alone_is_a_transport_hang(self):
+        e = self.entry
+        # the world's #3 completed everywhere; rank 1 waits in #1 of its own group [1]
+        dumps = self.dumps({0: [e(3)], 1: [e(3), e(1, op="broadcast", group=(1,), state="entered")],
+                            2: [e(3)]})
+        verdict = self.diagnose(dumps)
+        self.assertEqual((verdict["kind"], verdict["culprits"]), ("waiting", []),
+                         "world #3 completed, rank 1 alone in broadcast #1 of group [1]: expected "
+                         f"('waiting', []), got {(verdict['kind'], verdict['culprits'])}")
+        for part in ("group [1]", "broadcast #1"):
+            self.assertIn(part, verdict["message"], "a transport hang's message names the group "
+                          "and the collective its members wait in")
 
     def test_a_missing_heartbeat_is_a_dead_rank(self):
         e = self.entry
         dumps = self.dumps({0: [e(3)], 2: [e(3)]})
         dumps.insert(1, None)
-        verdict = M.diagnose(dumps)
-        self.assertEqual((verdict["kind"], verdict["culprits"]), ("dead", [1]))
+        verdict = self.diagnose(dumps)
+        self.assertEqual((verdict["kind"], verdict["culprits"]), ("dead", [1]),
+                         "(kind, culprits) of diagnose")
 
     def test_no_collective_pending_names_the_rank_at_the_lowest_step(self):
         e = self.entry
-        verdict = M.diagnose(self.dumps({0: [e(3)], 1: [e(3)], 2: [e(3)]}, steps={1: 2}))
-        self.assertEqual((verdict["kind"], verdict["culprits"]), ("stuck", [1]))
+        verdict = self.diagnose(self.dumps({0: [e(3)], 1: [e(3)], 2: [e(3)]}, steps={1: 2}))
+        self.assertEqual((verdict["kind"], verdict["culprits"]), ("stuck", [1]),
+                         "(kind, culprits) of diagnose")
 
 
 class TestRecorder(unittest.TestCase):
@@ -228,8 +280,41 @@ class TestVote(unittest.TestCase):
                 self.assertEqual(verdict["suspects"], [1, 2],
                                  "2 replicas (global ranks 1 and 2) differ: no majority, both named "
                                  "by their GLOBAL ranks")
-                self.assertIsNone(verdict["healthy"])
+                self.assertIsNone(verdict["healthy"], f"subgroup [1, 2], global rank {rank}: no "
+                                  f"majority, so no healthy rank; got {verdict['healthy']}")
+                self.assertTrue(results[rank]["subgroup"]["healed"],
+                                f"heal_from_replica(group=[1, 2], healthy=global rank 1) on global "
+                                f"rank {rank}: expected rank 1's (clean) tensors, got others")
+                staged = results[rank]["subgroup"]["staged"]
+                self.assertEqual(staged["copies"], [(3,), (7, 5)],
+                                 f"the same heal on a group whose backend is NCCL (global rank {rank}): "
+                                 "every CPU tensor goes through one CUDA copy (shapes of the copies)")
+                self.assertTrue(staged["healed"], f"the heal staged through CUDA copies on global rank "
+                                f"{rank}: the healed values must land in the rank's own tensors")
         self.assertNotIn("subgroup", results[0])
+        self.assertTrue(results[0]["outside_untouched"],
+                        "global rank 0, outside the subgroup [1, 2]: its tensors must not change while "
+                        "the subgroup heals")
+
+
+@exercise("preemption")
+class TestStopAgreedDevice(unittest.TestCase):
+    def test_the_all_reduced_tensor_lives_on_the_given_device(self):
+        """NCCL reduces only CUDA tensors: the decision's tensor must be on `device`. No GPU
+        here, so the device is "meta" and the all-reduce a recorder that stops the call (a
+        meta tensor holds no values to decide on)."""
+        class Reduced(Exception):
+            pass
+        seen = []
+
+        def all_reduce(tensor, *args, **kwargs):
+            seen.append((tensor.device.type, tensor.dtype, tuple(tensor.shape)))
+            raise Reduced
+        with mock.patch.object(I.dist, "all_reduce", all_reduce), \
+                contextlib.suppress(Reduced):
+            I.Preemption(100.0).stop_agreed(torch.device("meta"))
+        self.assertEqual(seen, [("meta", torch.float64, (2,))],
+                         "stop_agreed(device=meta): the all-reduced tensors (device, dtype, shape)")
 
 
 @exercise("preemption")
@@ -258,8 +343,19 @@ class TestPreemption(unittest.TestCase):
         for rank in (0, 2):
             stop, left = self.results[rank]["subgroup"]
             with self.subTest(rank=rank):
-                self.assertTrue(stop)
+                self.assertTrue(stop, f"subgroup [0, 2], global rank {rank}: rank 2 was signalled, "
+                                f"expected stop=True, got {stop}")
                 self.assertTrue(20.0 < left <= 25.0, f"rank 2's grace, got {left}")
+
+    def test_one_float64_all_reduce_of_two_numbers_per_decision(self):
+        for rank, result in enumerate(self.results):
+            for key, group in (("world_collectives", [0, 1, 2]), ("subgroup_collectives", [0, 2])):
+                if key not in result:
+                    continue
+                with self.subTest(rank=rank, group=group):
+                    self.assertEqual(result[key], [("all_reduce", [[2]], "float64", group)],
+                                     f"stop_agreed on group {group}, global rank {rank}: the "
+                                     "collectives it made (op, input shapes, dtype, group)")
 
     def test_a_save_that_does_not_fit_is_not_started(self):
         for rank, result in enumerate(self.results):
@@ -268,7 +364,14 @@ class TestPreemption(unittest.TestCase):
                 self.assertEqual(result["latest_after_skip"], "step-00000002",
                                  "the previous checkpoint stays `latest`")
                 self.assertTrue(result["saved"], "2.5 s left, 2 s predicted: save")
-                self.assertEqual(result["latest_after_save"], "step-00000003")
+                self.assertEqual(result["latest_after_save"], "step-00000003",
+                                 "`latest` after the emergency save of step 3")
+                self.assertFalse(result["at_the_margin"], "exactly 2 s left, 2 s predicted (a save "
+                                 "of 1 s, margin 2): a save must fit in MORE than that; got saved")
+                self.assertTrue(result["saved_unmeasured"], "0.5 s left and no save measured yet: "
+                                "expected to save, got skipped")
+                self.assertEqual(result["latest_after_unmeasured"], "step-00000004",
+                                 "`latest` after the emergency save of step 4 (no save measured)")
 
 
 @exercise("straggler")
@@ -284,15 +387,40 @@ class TestStraggler(unittest.TestCase):
         self.assertAlmostEqual(named["waste"], 0.31 - 0.41 / 3, delta=1e-12)
 
     def test_no_straggler_when_the_spread_is_noise(self):
-        self.assertIsNone(I.name_straggler([0.05, 0.06, 0.052, 0.055], [0.07] * 4)["straggler"])
+        got = I.name_straggler([0.05, 0.06, 0.052, 0.055], [0.07] * 4)["straggler"]
+        self.assertIsNone(got, f"work [0.05, 0.06, 0.052, 0.055]: noise, expected None, got {got}")
         # 3x the median but 0.02 s: below the floor
-        self.assertIsNone(I.name_straggler([0.01, 0.03, 0.01], [0.03] * 3)["straggler"])
+        got = I.name_straggler([0.01, 0.03, 0.01], [0.03] * 3)["straggler"]
+        self.assertIsNone(got, f"work [0.01, 0.03, 0.01]: 0.02 s above the median is below the "
+                          f"floor 0.05, expected None, got {got}")
         self.assertEqual(I.name_straggler([0.01, 0.01, 0.2, 0.01], [0.2] * 4)["straggler"], 2)
+
+    def test_the_median_of_the_other_ranks_by_hand(self):
+        """Work times whose verdict flips if the median of the OTHER ranks is taken wrongly:
+        an even count of others averages the middle two, an odd count takes the middle one;
+        `factor` must be exceeded, `floor` met."""
+        cases = [  # (work, factor, floor, expected straggler, why)
+            ([0.1, 0.5, 0.3], 2.0, 0.05, 1, "others [0.1, 0.3]: median 0.2, 0.5 > 0.4"),
+            ([0.1, 0.35, 0.3], 2.0, 0.05, None, "others [0.1, 0.3]: median 0.2, 0.35 <= 0.4"),
+            ([0.1, 0.3, 0.5, 0.4], 2.0, 0.05, None, "others [0.1, 0.3, 0.4]: median 0.3, 0.5 <= 0.6"),
+            ([0.1, 0.2, 0.3, 0.4, 0.45], 2.0, 0.05, None,
+             "others [0.1, 0.2, 0.3, 0.4]: median 0.25, 0.45 <= 0.5"),
+            ([0.1, 0.2, 0.3, 0.4, 0.55], 2.0, 0.05, 4,
+             "others [0.1, 0.2, 0.3, 0.4]: median 0.25, 0.55 > 0.5"),
+            ([0.1, 0.2, 0.1], 2.0, 0.05, None, "0.2 is exactly 2 x the median 0.1: not MORE than it"),
+            ([0.25, 0.5, 0.25], 1.5, 0.25, 1, "0.5 - 0.25 is exactly the floor 0.25: at least it"),
+            ([0.02, 0.06, 0.02], 2.0, 0.05, None, "0.06 - 0.02 = 0.04 < the floor 0.05"),
+        ]
+        for work, factor, floor, expected, why in cases:
+            got = I.name_straggler(work, [max(work)] * len(work), factor, floor)["straggler"]
+            self.assertEqual(got, expected, f"name_straggler(work={work}, factor={factor}, "
+                             f"floor={floor}): expected {expected}, got {got} ({why})")
 
     def test_two_ranks_compare_with_each_other_and_one_rank_with_nobody(self):
         # the median of both (0.145) would hide it: the reference is the OTHER rank
         self.assertEqual(I.name_straggler([0.27, 0.02], [0.28, 0.28])["straggler"], 0)
-        self.assertIsNone(I.name_straggler([0.27], [0.28])["straggler"])
+        got = I.name_straggler([0.27], [0.28])["straggler"]
+        self.assertIsNone(got, f"one rank alone is nobody's straggler: expected None, got {got}")
 
     def test_times_are_gathered_in_group_order(self):
         results = launch(W.straggler_worker, 3, ([1, 2],), device="cpu", timeout_s=60)

@@ -9,6 +9,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -29,8 +30,10 @@ def replica_tensors(rank: int, flipped: int | None) -> dict[str, torch.Tensor]:
 
 
 def sdc_worker(ctx, flipped: int, subgroup: list[int], flipped_in_subgroup: int) -> dict:
-    """The world votes on a state flipped on `flipped`, then heals; the subgroup does the same
-    with its own flip while the rank outside it holds a different state it never compares."""
+    """The world votes on a state flipped on `flipped`, then heals; the subgroup votes on its
+    own flip (two replicas: no majority) and heals from its other member, once as it is and
+    once as if its backend were NCCL, while the rank outside it holds a different state that
+    it never compares nor receives."""
     result = {}
     named = replica_tensors(ctx.rank, flipped)
     verdict = integrity.check_replicas(named)
@@ -41,17 +44,57 @@ def sdc_worker(ctx, flipped: int, subgroup: list[int], flipped_in_subgroup: int)
                        "equal_to_clean": all(torch.equal(named[k], v) for k, v in
                                              replica_tensors(-1, None).items())}
     group = dist.new_group(subgroup)  # every rank calls new_group
+    outside = replica_tensors(ctx.rank, ctx.rank) if ctx.rank not in subgroup else None
     if ctx.rank in subgroup:
         mine = replica_tensors(ctx.rank, flipped_in_subgroup)
         verdict = integrity.check_replicas(mine, group)
-        result["subgroup"] = {"verdict": verdict}
+        healer = next(r for r in subgroup if r != flipped_in_subgroup)
+        integrity.heal_from_replica(mine, healer, group)  # a GLOBAL rank of the subgroup
+        result["subgroup"] = {"verdict": verdict, "healer": healer, "healed": _clean(mine)}
+        result["subgroup"]["staged"] = _staged_heal(ctx.rank, flipped_in_subgroup, healer, group)
     dist.barrier()
+    if ctx.rank not in subgroup:
+        result["outside_untouched"] = all(torch.equal(outside[k], v) for k, v in
+                                          replica_tensors(ctx.rank, ctx.rank).items())
     return result
 
 
+def _clean(named: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(named[k], v) for k, v in replica_tensors(-1, None).items())
+
+
+def _staged_heal(rank: int, flipped: int, healer: int, group) -> dict:
+    """heal_from_replica on `group` as if its backend were NCCL (which moves only CUDA
+    tensors): `dist.get_backend` says "nccl" for that group only, and a copy to CUDA
+    (Tensor.cuda, or Tensor.to a CUDA device) returns a CPU copy (there is no GPU here) and is
+    counted. Every tensor, all on the CPU, must go through such a copy, and the healed values
+    must come back into the rank's own tensors."""
+    real_backend, real_to, staged = dist.get_backend, torch.Tensor.to, []
+
+    def get_backend(which=None):
+        return "nccl" if which is group else real_backend(which)
+
+    def cuda(tensor, *args, **kwargs):
+        staged.append(tuple(tensor.shape))
+        return tensor.clone()
+
+    def to(tensor, *args, **kwargs):
+        target = kwargs.get("device", args[0] if args else None)
+        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cuda":
+            return cuda(tensor)
+        return real_to(tensor, *args, **kwargs)
+    named = replica_tensors(rank, flipped)
+    with mock.patch.object(dist, "get_backend", get_backend), \
+            mock.patch.object(torch.Tensor, "cuda", cuda), mock.patch.object(torch.Tensor, "to", to):
+        integrity.heal_from_replica(named, healer, group)
+    return {"copies": sorted(staged), "healed": _clean(named)}
+
+
 def preemption_worker(ctx, signalled: dict, subgroup: list[int], tmp: str) -> dict:
-    """Ranks in `signalled` receive a real SIGTERM (grace: the value); all then agree. The
-    subgroup agrees on its own. Then emergency saves that do and do not fit."""
+    """Ranks in `signalled` receive a real SIGTERM (grace: the value); all then agree (the
+    collectives recorded). The subgroup agrees on its own. Then emergency saves that do and do
+    not fit: 1.5 s, 2.5 s and exactly 2 s left with 2 s predicted, and 0.5 s left with no save
+    measured yet."""
     result = {}
     grace = signalled.get(str(ctx.rank))
     preemption = integrity.Preemption(grace if grace is not None else 100.0)
@@ -62,10 +105,14 @@ def preemption_worker(ctx, signalled: dict, subgroup: list[int], tmp: str) -> di
             deadline = time.monotonic() + 5
             while preemption.deadline is None and time.monotonic() < deadline:
                 time.sleep(0.01)
-        result["world"] = preemption.stop_agreed(ctx.device)
+        with detection.CollectiveRecorder() as recorder:
+            result["world"] = preemption.stop_agreed(ctx.device)
         group = dist.new_group(subgroup)
         if ctx.rank in subgroup:
-            result["subgroup"] = preemption.stop_agreed(ctx.device, group)
+            with detection.CollectiveRecorder() as recorder_of_subgroup:
+                result["subgroup"] = preemption.stop_agreed(ctx.device, group)
+            result["subgroup_collectives"] = _collectives(recorder_of_subgroup)
+        result["world_collectives"] = _collectives(recorder)
         quiet = integrity.Preemption(100.0)  # nobody signalled
         result["quiet"] = quiet.stop_agreed(ctx.device)
     finally:
@@ -80,7 +127,16 @@ def preemption_worker(ctx, signalled: dict, subgroup: list[int], tmp: str) -> di
     result["latest_after_skip"] = checkpointing.read_latest(ckpt).name
     result["saved"] = preemption.emergency_save(checkpointer, trainer, left=2.5)
     result["latest_after_save"] = checkpointing.read_latest(ckpt).name
+    trainer.step = 4
+    result["at_the_margin"] = preemption.emergency_save(checkpointer, trainer, left=2.0)
+    unmeasured = integrity.Preemption(100.0)  # no save measured yet: save
+    result["saved_unmeasured"] = unmeasured.emergency_save(checkpointer, trainer, left=0.5)
+    result["latest_after_unmeasured"] = checkpointing.read_latest(ckpt).name
     return result
+
+
+def _collectives(recorder) -> list[tuple]:
+    return [(e["op"], e["sizes"], e["dtype"], e["group"]) for e in recorder.dump()]
 
 
 @dataclasses.dataclass
