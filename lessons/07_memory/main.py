@@ -135,8 +135,9 @@ class MemoryTracker(TorchDispatchMode):
 
     # exercise tracker (continued)
     def _free(self, key: int) -> None:
-        """The weak reference fired: the storage is gone. Forget it, and take its bytes out of
-        live_bytes unless it was host memory (the peak stays)."""
+        """The weak reference fired: the storage is gone. Forget it (its entries in `live` and
+        `_refs`), and take its bytes out of live_bytes unless it was host memory (the peak
+        stays)."""
         self._leave_peak()
         item = self.live.pop(key, None)
         self._refs.pop(key, None)

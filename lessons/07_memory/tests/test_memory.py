@@ -73,6 +73,9 @@ class TestTracker(unittest.TestCase):
             device = torch.zeros(50)
             self.assertEqual(tracker.live_bytes, 200, "live device bytes (host bytes excluded)")
             self.assertEqual(tracker.breakdown()["host"], 400, "bytes filed under host")
+            tracker.mark([host], "host")  # re-filed where it already is (lesson 08 re-marks its states)
+            self.assertEqual((tracker.live_bytes, tracker.breakdown()["host"]), (200, 400),
+                             "(live device bytes, host bytes) after re-filing a host storage as host")
             tracker.mark([host], "temporary")
             self.assertEqual(tracker.live_bytes, 600, "live device bytes (host bytes excluded)")
             del host, device
@@ -81,9 +84,11 @@ class TestTracker(unittest.TestCase):
         tracker = M.MemoryTracker(device="meta")  # "the device" is meta; the CPU is the host
         with tracker:
             on_device = torch.zeros(100, device="meta")
-            on_host = torch.zeros(100, device="cpu")
-            self.assertEqual(tracker.live_bytes, 400, "live device bytes (host bytes excluded)")
-            self.assertEqual(tracker.breakdown()["host"], 400, "bytes filed under host")
+            on_host = torch.zeros(30, device="cpu")  # sizes differ: which is which shows
+            self.assertEqual(tracker.live_bytes, 400, "live device bytes: 100 floats on meta, "
+                             "device='meta' (the 30 on the CPU are host bytes)")
+            self.assertEqual(tracker.breakdown()["host"], 120, "bytes filed under host: 30 floats "
+                             "on the CPU, device='meta'")
             del on_device, on_host
 
     def test_refiling_between_device_categories_moves_no_bytes(self):
@@ -101,6 +106,24 @@ class TestTracker(unittest.TestCase):
         self.assertEqual((tracker.live_bytes, tracker.peak_bytes), (0, 400),
                          "(live, peak) after the offload and del")
         self.assertEqual(tracker.live, {}, "a freed storage must be forgotten")
+        self.assertEqual(tracker._refs, {}, "a freed storage's weak reference must be forgotten "
+                         "too (else the tracker grows by one per temporary, all run long)")
+
+    def test_a_tie_with_the_peak_keeps_the_first_snapshot(self):
+        """Only a new maximum moves the peak: coming back to the same total later (here in
+        backward, with other storages) leaves the snapshot of the first moment."""
+        tracker = M.MemoryTracker()
+        with tracker:
+            with tracker.phase("forward"):
+                a = torch.zeros(100)  # the peak: 400 activation bytes
+            del a
+            with tracker.phase("backward"):
+                c = torch.zeros(100)  # 400 temporary bytes: equal to the peak, not above it
+            del c
+        self.assertEqual((tracker.peak_bytes, tracker.peak_breakdown()["activation"],
+                          tracker.peak_breakdown()["temporary"]), (400, 400, 0),
+                         "(peak, activation, temporary bytes at the peak) after a 400-byte "
+                         "activation, then a 400-byte temporary once it was freed")
 
     def test_equal_to_torch_memtracker(self):
         result = C.compare_with_torch_memtracker(3)
@@ -372,6 +395,20 @@ class TestAdam8bit(unittest.TestCase):
         self.assertEqual(codes[0, :3].tolist(), [len(book) - 1, 200, 17],
                          "[1.0, the midpoint of codes 200 and 201, code 17]: a tie goes to the "
                          "lower code (docstring)")
+
+    @exercise("blockwise-quant")
+    def test_values_come_back_in_the_dtype_of_absmax(self):
+        x = torch.tensor([[0.5, -3.0, 1e-3], [2.0, 0.25, -0.75]], dtype=torch.bfloat16)  # rows differ
+        for signed, values in ((True, x), (False, x.abs())):
+            codes, absmax = A8.quantize_blockwise(values, signed, 4)
+            back = A8.dequantize_blockwise(codes, absmax, signed, values.shape)
+            expected = (A8.CODEBOOKS[signed].to(torch.bfloat16)[codes.long()]
+                        * absmax[:, None]).reshape(-1)[:6].view(2, 3)
+            self.assertEqual((back.dtype, absmax.dtype), (torch.bfloat16, torch.bfloat16),
+                             f"(dequantized dtype, absmax dtype) of a bf16 (2, 3) tensor, block 4, "
+                             f"signed={signed}")
+            self.assertTrue(torch.equal(back, expected), f"bf16 (2, 3), block 4, signed={signed}: "
+                            f"dequantized {back.tolist()}, expected {expected.tolist()}")
 
     @exercise("blockwise-quant")
     def test_round_trip_error_is_within_half_a_code_gap(self):

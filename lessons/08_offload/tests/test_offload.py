@@ -16,6 +16,7 @@ import unittest.mock
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lessons._launch import launch
 from lessons._testing import assert_argument_error, assert_every_check_passes, exercise
@@ -110,6 +111,9 @@ class TestBufferPool(unittest.TestCase):
         self.assertEqual(pool.fetches, 3, "3 misses (5, 6, 7); the second 5 is a hit")
         with self.assertRaisesRegex(ValueError, "only 2 buffers"):
             pool.acquire([1, 2, 3])
+        with self.assertRaisesRegex(ValueError, "only 2 buffers",
+                                    msg="acquire([8], keep=(5, 7)) on 2 buffers: 1 chunk + 2 kept"):
+            pool.acquire([8], keep=(5, 7))  # the kept chunks occupy buffers too
 
     def test_the_pool_never_evicts_a_kept_chunk(self):
         pool = M.BufferPool(2)
@@ -133,6 +137,10 @@ class TestBufferPool(unittest.TestCase):
         self.assertEqual(M.access_plan(block_chunks, 0, 0, 1, pool), [([0], ()), ([1], (0,))])
         self.assertEqual(M.access_plan(block_chunks, 0, 2, -1, pool), [([3], ()), ([1], (3,))])
         self.assertEqual(M.access_plan(block_chunks, 0, 2, 1, pool), [([3], ())])  # no next block
+        self.assertEqual(M.access_plan(block_chunks, 0, 1, -1, pool), [([1, 2], ()), ([0], (1, 2))],
+                         "backward from block 1 of [[0], [1, 2], [3]]: block 0 is next")
+        self.assertEqual(M.access_plan(block_chunks, 0, 0, -1, pool), [([0], ())],
+                         "backward from block 0: no next block")
         self.assertEqual(M.access_plan(block_chunks, 2, 1, 1, pool), [([2], ()), ([3], (2,))])
         self.assertEqual(M.access_plan(block_chunks, 4, 1, 1, pool), [([], ())])  # all persistent
         pool.acquire([1])
@@ -223,6 +231,49 @@ class TestChunkManager(unittest.TestCase):
                                     "its host copy")
             self.assertEqual([b.untyped_storage().data_ptr() for b in manager.buffers], storages,
                              "a fetch allocated a new buffer instead of copying into the pool's")
+
+    def test_fetch_block_prefetches_the_next_block_in_each_direction(self):
+        """Forward runs blocks 0..L-1, backward L-1..0: fetch_block(b) makes b's chunks resident
+        and prefetches the first missing chunk of b + 1 in forward, of b - 1 in backward."""
+        with oracle_pool():
+            for in_backward, block in ((False, 0), (False, 1), (True, 2), (True, 1)):
+                manager = M.ChunkManager(M.make_offload_model(CONFIG, 1), M.OffloadConfig(0, 0),
+                                         CONFIG["chunk_numel"])
+                manager.in_backward = in_backward
+                chunks = manager.block_chunks
+                following = chunks[block - 1 if in_backward else block + 1]
+                expected = sorted(set(chunks[block]) | {min(set(following) - set(chunks[block]))})
+                manager.fetch_block(block)
+                self.assertEqual(sorted(manager.chunk_in_buffer), expected,
+                                 f"resident chunks after fetch_block({block}) on a fresh manager "
+                                 f"{'in backward' if in_backward else 'in forward'} (chunks per "
+                                 f"block {chunks}, nothing persistent)")
+
+    def test_fetches_are_issued_non_blocking(self):
+        """The docstring's contract: the host -> device copy is non-blocking (from pinned memory
+        on a GPU it then overlaps the host; on the CPU the flag changes nothing, so it is read
+        at the aten level)."""
+        class CopyFlags(TorchDispatchMode):
+            def __init__(self, buffers):
+                super().__init__()
+                self.buffers, self.flags = {b.untyped_storage().data_ptr() for b in buffers}, []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten.copy_.default and \
+                        args[0].untyped_storage().data_ptr() in self.buffers:
+                    self.flags.append(bool(args[2]) if len(args) > 2
+                                      else bool((kwargs or {}).get("non_blocking", False)))
+                return func(*args, **(kwargs or {}))
+
+        with oracle_pool():
+            manager = M.ChunkManager(M.make_offload_model(CONFIG, 1), M.OffloadConfig(0, 0),
+                                     CONFIG["chunk_numel"])
+            flags = CopyFlags(manager.buffers)
+            with flags:
+                manager.fetch_block(0)
+        fetched = sorted(manager.chunk_in_buffer)
+        self.assertEqual(flags.flags, [True] * len(fetched), "non_blocking of each copy into a "
+                         f"buffer made by fetch_block(0) in forward (chunks {fetched})")
 
     def test_saved_weights_are_packed_as_chunk_references(self):
         with oracle_pool():
