@@ -553,10 +553,17 @@ def main(argv: list[str] | None = None) -> int:
     return finish(report, args.json, started)
 
 
+def py_spy_executable() -> str | None:
+    """py-spy on PATH, or beside this interpreter (a virtual environment used without being
+    activated, as CI runs `.venv/bin/python`); None where it is not installed."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+
+
 def py_spy_dump(pid: int, timeout: float = 30.0) -> str | None:
     """`py-spy dump --pid PID`: every thread's Python stack of a live process, read from outside
     (ptrace), without its cooperation; None where py-spy is not installed."""
-    exe = shutil.which("py-spy")
+    exe = py_spy_executable()
     if exe is None:
         return None
     proc = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,

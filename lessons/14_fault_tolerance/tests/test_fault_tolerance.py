@@ -562,7 +562,7 @@ class TestPySpy(unittest.TestCase):
     """py-spy reads a hung rank's Python stack from outside, without its cooperation."""
 
     def test_py_spy_dump_shows_where_the_hung_rank_is(self):
-        if shutil.which("py-spy") is None:
+        if C.py_spy_executable() is None:
             self.skipTest("py-spy is not installed (pip install -r requirements-dev.txt)")
         with tempfile.TemporaryDirectory(prefix="lesson14-pyspy-") as tmp:
             proc = cli(*SMALL, "--world-size", "2", "--out", f"{tmp}/out", "--fault", "hang",
