@@ -274,10 +274,17 @@ class ZeroStage1Sum(zero.ZeroStage1):
     its real targets divided by the global batch's count of them, so the sum over the ranks
     is the one-process gradient (torchtitan turns FSDP's gradient division off for the same
     reason; Megatron-LM's per-token loss sets its gradient scaling factor to 1). Uneven
-    shards, the per-parameter collectives, the step and the all-gather are lesson 03's, and
-    so is the ranks' agreement on which gradients exist (one all-reduce of a flag per
-    parameter, each time the gradients are reduce-scattered: before clipping, and again, with
-    none left, inside step())."""
+    shards, the per-parameter collectives, the step and the all-gather are lesson 03's. One
+    more change: which gradients exist is known without asking the group. Lesson 03 all-reduces
+    a flag per parameter (a rank may leave a parameter unused); here every rank of the group
+    runs the same stage over every one of its micro-batches, so every trainable parameter has
+    a gradient on every rank after the pipeline (zeros where all its targets were ignored),
+    and none after the reduce-scatter: no flags are sent (step() calls the reduce-scatter
+    again and finds nothing left)."""
+
+    def gradient_presence(self) -> list[bool]:
+        """This rank's own answer, the same on every rank of the group (see the class)."""
+        return [param.grad is not None for _, param in self.named]
 
     def reduce_gradient(self, index: int) -> None:
         """ZeroStage1's, with `contract.reduce_scatter_sum` in place of the mean: shards[index]

@@ -276,8 +276,9 @@ def planner_check(ctx, config: nd_model.GPTConfig, layout: nd.Layout, windows: l
         reduce, states = trainer.zero.reduce_scatter_gradients, {}
 
         def mark_then_reduce():  # the pipeline is done: every gradient exists
-            tracker.mark((p.grad for p in trainer.stage.parameters()), "gradient")
-            states.update(tracker.breakdown())
+            if not states:  # the first call; ZeRO's step() calls it again, nothing left to do
+                tracker.mark((p.grad for p in trainer.stage.parameters()), "gradient")
+                states.update(tracker.breakdown())
             reduce()
 
         trainer.zero.reduce_scatter_gradients = mark_then_reduce

@@ -224,8 +224,9 @@ def simulate_rank(config: nd_model.GPTConfig, layout: nd.Layout, rank: int, bf16
             reduce, seen = trainer.zero.reduce_scatter_gradients, {}
 
             def mark_then_reduce():  # the pipeline is done: every gradient exists
-                tracker.mark((p.grad for p in trainer.stage.parameters()), "gradient")
-                seen.update(tracker.breakdown())
+                if not seen:  # the first call; ZeRO's step() calls it again, nothing left to do
+                    tracker.mark((p.grad for p in trainer.stage.parameters()), "gradient")
+                    seen.update(tracker.breakdown())
                 reduce()
 
             trainer.zero.reduce_scatter_gradients = mark_then_reduce
