@@ -5,7 +5,8 @@
 `python -m course catalog`: validate catalog.json against the schema and the folders.
 `python -m course gpu [IDS]`: the GPU suite: every lesson with --device cuda and every notebook
 on the GPUs present, one report (exit 2 when no GPU is visible: blocked, not passed).
-`python -m course site [--out DIR]`: build the offline learner site."""
+`python -m course site [--out DIR]`: build the offline learner site.
+`python -m course mutants NN [--exercise ID]`: mutation testing of the exercises (not run by CI)."""
 
 from __future__ import annotations
 
@@ -178,7 +179,7 @@ def grade(keys: list[str], timeout: float, workspace: Path | None = None,
                           f"[{colour}]{entry['outcome'].upper()}[/]",
                           str(entry["tests"]) + (f" ({entry['not_run']} not run)"
                                                  if entry.get("not_run") else ""),
-                          entry["message"][:300])
+                          entry["message"])  # one line, shortened at a word by the grader
         console.print(table)
         failed = report["error"] or any(e["outcome"] == "failed" for e in criteria.values())
         blocked = any(e["outcome"] == "blocked" for e in criteria.values())
@@ -187,6 +188,9 @@ def grade(keys: list[str], timeout: float, workspace: Path | None = None,
         if report["error"]:
             console.print(f"[red]{name}: the suite did not run: {report['error']}[/]")
         console.print(f"{name}: {earned} of {possible} points in {report['seconds']:.1f} s")
+        if workspace is not None and (workspace / "EXERCISES.md").exists():
+            from lessons._exercises import record_grade
+            record_grade(workspace, REPO_ROOT / lesson["folder"], criteria, exercise)
         summary.append({"lesson": lesson["id"], "folder": lesson["folder"], "points": earned,
                         "possible": possible, "seconds": round(report["seconds"], 2),
                         "error": report["error"], "criteria": criteria, "tests": report["tests"]})
@@ -348,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     exercise_parser.add_argument("--out", type=Path, metavar="DIR",
                                  help="where (default workspace/NN_slug; refuses a folder with files)")
     exercise_parser.add_argument("--exercise", metavar="ID", help="stub only this exercise")
+    mutants_parser = sub.add_parser("mutants", add_help=False,
+                                    help="mutation testing of a lesson's exercises (course/mutants.py)")
+    mutants_parser.add_argument("rest", nargs=argparse.REMAINDER)
     catalog_parser = sub.add_parser("catalog", help="validate catalog.json and list the lessons")
     catalog_parser.add_argument("--sync-exercises", action="store_true",
                                 help="first copy each lesson's exercises from its main.py markers")
@@ -359,7 +366,12 @@ def main(argv: list[str] | None = None) -> int:
     site_parser = sub.add_parser("site", help="build the offline learner site from catalog.json")
     site_parser.add_argument("--out", type=Path, default=REPO_ROOT / "_site",
                              help="output directory (default _site; emptied first)")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "mutants":  # its own parser: python -m course mutants --help
+        from course.mutants import main as mutants_main
+        return mutants_main([*unknown, *args.rest])
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if args.command == "run":
             extra = (["--quick"] if args.quick else []) + shlex.split(args.demo_args)

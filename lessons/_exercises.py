@@ -31,6 +31,7 @@ import dataclasses
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 LESSONS_ROOT = Path(__file__).resolve().parent
@@ -212,13 +213,36 @@ def write_workspace(folder: Path, out: Path, only: set[str] | None = None,
             path.write_text(stub_source(path.read_text(),
                                         [e for e in exercises if e.file == name], only))
     (out / "EXERCISES.md").write_text(workspace_readme(folder, exercises, only))
+    (out / "EXERCISES.json").write_text(json.dumps({"only": sorted(only) if only else None,
+                                                    "grades": {}}, indent=2) + "\n")
     return exercises
 
 
-def workspace_readme(folder: Path, exercises: list[Exercise], only: set[str] | None) -> str:
+def _status(exercise: Exercise, only: set[str] | None, grades: dict[str, dict] | None) -> str:
+    """An exercise's status column: given, to write, or its outcome in the last grade."""
+    if only is not None and exercise.id not in only:
+        return "given"
+    entry = (grades or {}).get(exercise.id)
+    if entry is None:
+        return "to write"
+    if entry["outcome"] == "passed":
+        return f"passed ({exercise.points} points)"
+    if "NotImplementedError" in entry.get("message", ""):
+        return "to write (the stub is still there)"
+    return entry["outcome"]
+
+
+def workspace_readme(folder: Path, exercises: list[Exercise], only: set[str] | None,
+                     grades: dict[str, dict] | None = None, graded_at: str = "") -> str:
+    """The workspace's EXERCISES.md: what to write, and after `course grade --workspace` the
+    last grade's outcome per exercise (`grades`: the grader's criteria, `graded_at`: when)."""
     rows = "\n".join(f"| `{e.id}` | {e.title} | {e.points} | " + ", ".join(f"`{t}`" for t in e.targets)
-                     + (" | to write |" if only is None or e.id in only else " | given |")
-                     for e in exercises)
+                     + f" | {_status(e, only, grades)} |" for e in exercises)
+    if grades is not None:
+        earned = sum(e.points for e in exercises if grades.get(e.id, {}).get("outcome") == "passed")
+        rows += (f"\n\nLast graded {graded_at}: {earned} of {sum(e.points for e in exercises)} points"
+                 + "".join(f"\n- `{e.id}`: {grades[e.id]['message']}" for e in exercises
+                           if grades.get(e.id, {}).get("outcome") not in (None, "passed")))
     files = ", ".join(f"`lessons/{folder.name}/{name}`"
                       for name in dict.fromkeys(e.file for e in exercises))
     return (f"# Workspace: lesson {folder.name}\n\n"
@@ -229,6 +253,24 @@ def workspace_readme(folder: Path, exercises: list[Exercise], only: set[str] | N
             f"    python -m course grade {folder.name[:2]} --workspace {'{this folder}'}\n\n"
             f"or here, with plain unittest: `python -m unittest discover`. The reference is\n"
             f"{files} in the course repository.\n")
+
+
+def record_grade(workspace: Path, folder: Path, criteria: dict[str, dict],
+                 graded: str | list[str] | None = None) -> None:
+    """Rewrite the workspace's EXERCISES.md with the outcome of the grade just run (`criteria`
+    from lessons/_grading.py; `graded`: the exercises that grade covered, None for all; the
+    others keep the outcome they had). EXERCISES.json beside it keeps what the workspace was
+    written with and the grades so far."""
+    state_path = workspace / "EXERCISES.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {"only": None, "grades": {}}
+    wanted = None if graded is None else ({graded} if isinstance(graded, str) else set(graded))
+    state["grades"].update({key: {"outcome": entry["outcome"], "message": entry.get("message", "")}
+                            for key, entry in criteria.items() if wanted is None or key in wanted})
+    only = None if state["only"] is None else set(state["only"])
+    state_path.write_text(json.dumps(state, indent=2) + "\n")
+    (workspace / "EXERCISES.md").write_text(workspace_readme(
+        folder, lesson_exercises(folder), only, state["grades"],
+        time.strftime("%Y-%m-%d %H:%M", time.localtime())))
 
 
 # ----------------------------------------------------------------------------- planted bugs

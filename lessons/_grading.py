@@ -16,7 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import signal
 import sys
+import textwrap
 import time
 import traceback
 import unittest
@@ -41,10 +45,37 @@ def _flatten(suite) -> list:
     return found
 
 
+MESSAGE_CHARS = 600  # a grader message longer than this is shortened at a word boundary
+
+
+def shorten(text: str, width: int = MESSAGE_CHARS) -> str:
+    """`text` on one line, cut at a word boundary (never mid-word) with " [...]" if too long."""
+    return textwrap.shorten(" ".join(text.split()), width, placeholder=" [...]") or text[:width]
+
+
+def _where(tb) -> str:
+    """Where an error (not a failed assertion) was raised: the innermost frame in the lessons'
+    code, as "in fn (lessons/NN_slug/file.py:line)" (empty when none is in the lessons)."""
+    lessons, tests = f"{os.sep}lessons{os.sep}", f"{os.sep}tests{os.sep}"
+    frames = [frame for frame in traceback.extract_tb(tb)
+              if lessons in frame.filename and tests not in frame.filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    path = frame.filename[frame.filename.rindex(lessons) + 1:]
+    return f" (in {frame.name}, {path}:{frame.lineno})"
+
+
 def _first_failure(err) -> str:
-    kind, value, _ = err
+    """One line that says what failed: the whole assertion message (unittest puts a test's own
+    message after the standard one, which may span lines: "Lists differ: ... : <msg>"), without
+    the line-by-line diff, and for an error the place in the lesson's code that raised it."""
+    kind, value, tb = err
     text = "".join(traceback.format_exception_only(kind, value)).strip().splitlines()
-    return (text[0] if text else kind.__name__)[:400]
+    kept = [line for line in text if line.strip() and not re.match(r"^[-+?] ", line)
+            and not line.startswith("Diff is ")]
+    where = "" if issubclass(kind, AssertionError) else _where(tb)
+    return shorten(" ".join(kept) + where if kept else kind.__name__ + where)
 
 
 NOT_RUN = "not run: an earlier test of this criterion failed (--first-failure)"
@@ -194,31 +225,63 @@ def _forget(package: str) -> None:
         del sys.modules[name]
 
 
-def grade_planted_bugs(tests_dir: str) -> dict:
-    """Plant each of the lesson's bugs (bugs.json) in turn, in place, into the working copy the
-    process runs in (a reference workspace), grade that bug's exercise alone, and restore the
-    file. One process for all the bugs: the interpreter and the forkserver start once.
-    Returns {"bugs": [{"id", "exercise", "outcome", "message", "seconds"}]}."""
-    from lessons._exercises import planted_bugs
+class BugTimeout(Exception):
+    """A planted bug (or a mutant) made its exercise's tests run past --bug-timeout."""
+
+
+def _on_alarm(signum, frame):
+    raise BugTimeout("the tests ran past the bug's time limit (a hang counts as caught)")
+
+
+def grade_planted_bugs(tests_dir: str, bugs_file: str | None = None,
+                       timeout_s: float | None = None, progress: bool = False) -> dict:
+    """Plant each of the lesson's bugs (bugs.json, or the specs in `bugs_file`: the same
+    fields, e.g. mutants from course/mutants.py) in turn, in place, into the working copy the
+    process runs in (a reference workspace), grade that bug's exercise alone up to its first
+    failure, and restore the file. One process for all the bugs: the interpreter and the
+    forkserver start once. `timeout_s`: a bug whose grading runs longer is stopped (its
+    launches kill their ranks) and counts as caught ("timeout"). Returns {"bugs": [{"id",
+    "exercise", "outcome", "message", "seconds"}]}."""
+    from lessons._exercises import PlantedBug, planted_bugs
 
     folder = Path(tests_dir).resolve().parent
     package = f"lessons.{folder.name}"
+    if bugs_file is None:
+        bugs = planted_bugs(folder)
+    else:
+        fields = ("id", "exercise", "file", "find", "replace", "mistake")
+        bugs = [PlantedBug(**{key: spec[key] for key in fields})
+                for spec in json.loads(Path(bugs_file).read_text())]
     results = []
-    for bug in planted_bugs(folder):
-        target = folder / bug.file
-        original = target.read_text()
-        started = time.monotonic()
-        try:
-            target.write_text(original.replace(bug.find, bug.replace, 1))
-            _forget(package)
-            report = grade(tests_dir, bug.exercise, first_failure=True)
-        finally:
-            target.write_text(original)
-            _forget(package)
-        entry = report["criteria"].get(bug.exercise, {"outcome": "failed", "message": "no tests"})
-        results.append({"id": bug.id, "exercise": bug.exercise, "mistake": bug.mistake,
-                        "outcome": entry["outcome"], "message": entry["message"],
-                        "seconds": round(time.monotonic() - started, 2)})
+    previous = signal.signal(signal.SIGALRM, _on_alarm) if timeout_s else None
+    try:
+        for number, bug in enumerate(bugs, 1):
+            target = folder / bug.file
+            original = target.read_text()
+            started = time.monotonic()
+            try:
+                target.write_text(original.replace(bug.find, bug.replace, 1))
+                _forget(package)
+                if timeout_s:
+                    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+                report = grade(tests_dir, bug.exercise, first_failure=True)
+                entry = report["criteria"].get(bug.exercise, {"outcome": "failed", "message": "no tests"})
+            except BugTimeout as exc:
+                entry = {"outcome": "timeout", "message": str(exc)}
+            finally:
+                if timeout_s:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
+                target.write_text(original)
+                _forget(package)
+            results.append({"id": bug.id, "exercise": bug.exercise, "mistake": bug.mistake,
+                            "outcome": entry["outcome"], "message": entry["message"],
+                            "seconds": round(time.monotonic() - started, 2)})
+            if progress:
+                print(f"[{number}/{len(bugs)}] {bug.id}: {entry['outcome']} "
+                      f"({results[-1]['seconds']:.1f} s)", file=sys.stderr, flush=True)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGALRM, previous)
     return {"bugs": results}
 
 
@@ -233,9 +296,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--planted-bugs", action="store_true",
                         help="plant each bug of bugs.json in turn and grade its exercise "
                              "(run inside a reference workspace: files are changed and restored)")
+    parser.add_argument("--bugs", metavar="FILE",
+                        help="with --planted-bugs and one tests folder: plant these specs instead")
+    parser.add_argument("--bug-timeout", type=float, metavar="SECONDS",
+                        help="with --planted-bugs: stop a bug's grading after this long (caught)")
+    parser.add_argument("--progress", action="store_true", help="with --planted-bugs: a line per bug")
     args = parser.parse_args(argv)
+    if args.bugs and (not args.planted_bugs or len(args.tests_dir) != 1):
+        parser.error("--bugs needs --planted-bugs and one tests folder")
     if args.planted_bugs:  # one process for every lesson named: torch and the forkserver start once
-        report = {"lessons": {tests_dir: grade_planted_bugs(tests_dir)["bugs"]
+        report = {"lessons": {tests_dir: grade_planted_bugs(tests_dir, args.bugs, args.bug_timeout,
+                                                            args.progress)["bugs"]
                               for tests_dir in args.tests_dir}}
     elif len(args.tests_dir) == 1:
         report = grade(args.tests_dir[0], args.exercise, args.first_failure)

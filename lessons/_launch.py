@@ -91,6 +91,21 @@ class RankContext:
 # ----------------------------------------------------------------------------- device choice
 
 
+_PHASE: dict[str, Any] = {"file": None, "text": ""}
+
+
+def phase(text: str) -> None:
+    """Say what this rank is doing now ("dispatch-combine ep=2 top_k=2"), in a worker that
+    loops over configurations: if the rank fails or hangs, the launcher's error names the last
+    phase it set, so a deadline says which configuration hung. Cheap (a small file write on a
+    spawned rank; kept in memory under torchrun)."""
+    _PHASE["text"] = text
+    if _PHASE["file"] is not None:
+        tmp = _PHASE["file"].with_suffix(".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, _PHASE["file"])
+
+
 def under_torchrun() -> bool:
     """True when this process was started by torchrun (or any env:// launcher)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -180,6 +195,7 @@ def _child_main(rank: int, spec: dict) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     faulthandler.dump_traceback_later(spec["timeout_s"], exit=True, file=stack_file)
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
+    _PHASE["file"] = run_dir / f"rank{rank}.phase"
     try:
         os.environ.update(spec["env"])  # a forkserver child has the server's environment
         device = torch.device("cpu")
@@ -208,7 +224,8 @@ def _child_main(rank: int, spec: dict) -> None:
             pickle.dump(result, handle)
         os.replace(tmp, run_dir / f"rank{rank}.result")
     except BaseException as exc:  # report every failure, then exit non-zero
-        summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+        summary = (f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+                   + raised_at(exc.__traceback__))
         (run_dir / f"rank{rank}.error").write_text(summary + "\n" + traceback.format_exc())
         stack_file.flush()
         os._exit(1)
@@ -231,8 +248,28 @@ def _describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _innermost_frame(stack_text: str) -> str:
-    """The innermost Python frame of the last faulthandler dump (the line a rank was stuck on)."""
+def _short_path(path: str) -> str:
+    """A source path as a reader finds it: relative to the repository (or to its `lessons/`
+    folder in a learner's workspace), else the file name."""
+    marker = f"{os.sep}lessons{os.sep}"
+    return path[path.rindex(marker) + 1:] if marker in path else Path(path).name
+
+
+def raised_at(tb) -> str:
+    """" (raised in fn, lessons/NN_slug/file.py:line)" for the innermost frame of an exception's
+    traceback that is lesson code (not torch's, not the launcher's); empty if none is."""
+    frames = [frame for frame in traceback.extract_tb(tb)
+              if f"{os.sep}lessons{os.sep}" in frame.filename and not frame.filename.endswith("_launch.py")]
+    if not frames:
+        return ""
+    return f" (raised in {frames[-1].name}, {_short_path(frames[-1].filename)}:{frames[-1].lineno})"
+
+
+def _innermost_frame(stack_text: str, module: str = "") -> str:
+    """Where a rank was stuck, from the last faulthandler dump: the innermost Python frame,
+    then (if different) the innermost frame in the lesson of the worker `module`
+    ("lessons.12_expert_parallel.tests.workers" -> lessons/12_expert_parallel/), so a hang
+    inside lesson 01's ring names the lesson function that called it."""
     dumps = [block for block in stack_text.split("\n\n")
              if "File " in block and "_watch_parent" not in block]
     if not dumps:
@@ -241,7 +278,17 @@ def _innermost_frame(stack_text: str) -> str:
     if not frames:
         return ""
     path, line, func = frames[0]  # faulthandler prints the most recent call first
-    where = f"{func} ({Path(path).name}:{line})"
+    where = f"{func} ({_short_path(path)}:{line})"
+    parts = module.split(".")
+    if len(parts) > 1 and parts[0] == "lessons":  # the worker's lesson: its technique first
+        lesson = f"{os.sep}lessons{os.sep}{parts[1]}{os.sep}"
+        ours = [frame for frame in frames if lesson in frame[0]]
+        technique = [frame for frame in ours if f"{os.sep}tests{os.sep}" not in frame[0]]
+        caller = (technique or ours or [None])[0]
+    else:
+        caller = None
+    if caller is not None and caller != frames[0]:
+        where += f", called from {caller[2]} ({_short_path(caller[0])}:{caller[1]})"
     # waiting inside torch.distributed (a collective, the rendezvous) is a symptom of a peer
     return f"torch.distributed: {where}" if "/torch/distributed/" in path else where
 
@@ -279,7 +326,7 @@ def _spawn(fn: Callable, world_size: int, args: tuple, device_type: str, backend
                                daemon=True)
             proc.start()
             processes.append(proc)
-        _wait(processes, run_dir, timeout_s)
+        _wait(processes, run_dir, timeout_s, f"{module}.{name}")
         results = []
         for rank in range(world_size):
             with open(run_dir / f"rank{rank}.result", "rb") as handle:
@@ -295,22 +342,22 @@ def _spawn(fn: Callable, world_size: int, args: tuple, device_type: str, backend
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-def _wait(processes: list, run_dir: Path, timeout_s: float) -> None:
+def _wait(processes: list, run_dir: Path, timeout_s: float, worker: str = "") -> None:
     """Poll until every rank exited 0; on the first failure or at the deadline raise."""
     deadline = time.monotonic() + timeout_s + 5.0  # children time out first and say why
     while True:
         codes = [proc.exitcode for proc in processes]
         if any(code not in (None, 0) for code in codes):
             time.sleep(0.2)  # let simultaneous failures land, then pick the root cause
-            _raise_root_cause(processes, run_dir, timeout_s)
+            _raise_root_cause(processes, run_dir, timeout_s, worker)
         if all(code == 0 for code in codes):
             return
         if time.monotonic() > deadline:
-            _raise_root_cause(processes, run_dir, timeout_s)
+            _raise_root_cause(processes, run_dir, timeout_s, worker)
         time.sleep(_POLL_S)
 
 
-def _raise_root_cause(processes: list, run_dir: Path, timeout_s: float) -> None:
+def _raise_root_cause(processes: list, run_dir: Path, timeout_s: float, worker: str = "") -> None:
     """Kill every rank, then raise a WorkerError naming the rank that started the trouble.
 
     Peers of a failed rank fail too (lost connection, timeout in a collective), so a rank whose
@@ -335,13 +382,18 @@ def _raise_root_cause(processes: list, run_dir: Path, timeout_s: float) -> None:
         if error_file.exists():  # drop gloo's "[.../pair.cc:553] " source-location prefix
             return re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\] ", "", error_file.read_text().splitlines()[0])
         if rank in alive:
-            return f"hung: still running after {timeout_s:g} s, in {_innermost_frame(stacks)}"
+            return f"hung: still running after {timeout_s:g} s, in {_innermost_frame(stacks, worker)}"
         if "Timeout" in stacks:
             return (f"hung: no result within its {timeout_s:g} s deadline, in "
-                    f"{_innermost_frame(stacks)}")
+                    f"{_innermost_frame(stacks, worker)}")
         return _describe_exit(processes[rank].exitcode)
 
-    causes = {rank: cause_of(rank) for rank in range(len(processes))
+    def doing(rank: int) -> str:  # the last phase() the rank set, if any
+        phase_file = run_dir / f"rank{rank}.phase"
+        text = phase_file.read_text().strip() if phase_file.exists() else ""
+        return f", while {text!r}" if text else ""
+
+    causes = {rank: cause_of(rank) + doing(rank) for rank in range(len(processes))
               if rank in alive or processes[rank].exitcode != 0}
 
     def is_symptom(rank: int) -> bool:
@@ -355,8 +407,15 @@ def _raise_root_cause(processes: list, run_dir: Path, timeout_s: float) -> None:
     ordered = sorted(causes, key=lambda rank: (is_symptom(rank), is_hung(rank), rank))
     root = ordered[0]
     message = f"rank {root} failed: {causes[root]}"
-    if len(ordered) > 1:
-        message += " (then " + "; ".join(f"rank {r}: {causes[r][:90]}" for r in ordered[1:]) + ")"
+    others = [r for r in ordered[1:] if not is_symptom(r)]  # independent failures: in full
+    symptoms = sorted(r for r in ordered[1:] if is_symptom(r))  # peers that lost `root`: briefly
+    if others:
+        message += " (then " + "; ".join(f"rank {r}: {causes[r][:160]}" for r in others) + ")"
+    if symptoms:
+        message += (f" (rank{'s' if len(symptoms) > 1 else ''} {', '.join(map(str, symptoms))} "
+                    f"then failed in communication, as peers of a failed rank do)")
+    if worker:
+        message += f" [worker {worker}, {len(processes)} rank{'s' if len(processes) > 1 else ''}]"
     raise WorkerError(message, rank=root, cause=causes[root])
 
 

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from lessons._launch import (
     end_torchrun_process,
     is_reporting_rank,
     launch,
+    raised_at,
     under_torchrun,
 )
 
@@ -217,11 +219,20 @@ def run_harness(main_file: str, harness: str = "checks") -> None:
 
 
 def run_body(body: Callable[[], int]) -> int:
-    """A lesson's main body's exit code; a failed rank becomes one clear line and exit code 1."""
+    """A lesson's main body's exit code; a failed rank becomes one clear line and exit code 1.
+    Under torchrun this process is a rank: an exception in it prints its traceback, then
+    "error: rank N failed: <the exception>" (the line a test or a reader looks for)."""
     try:
         return body()
     except WorkerError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        if not under_torchrun():
+            raise
+        traceback.print_exc()
+        summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500] + raised_at(exc.__traceback__)
+        print(f"error: rank {os.environ['RANK']} failed: {summary}", file=sys.stderr)
         return 1
 
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +21,36 @@ from pathlib import Path
 from lessons._report import merge_rank_checks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class SharedLaunchFailed(AssertionError):
+    """A shared launch that failed once, reported again without being retried."""
+
+
+def launch_once(fn: Callable) -> Callable:
+    """`functools.cache` for a suite's shared launches that also remembers a failure: the first
+    caller gets the error (a hang costs its deadline once), every later test of the class or of
+    the module gets it again at once, named, instead of relaunching and waiting out the
+    deadline again (five tests of a class sharing one hung launch cost one deadline, not five)."""
+    results: dict = {}
+    failures: dict = {}
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        key = (args, tuple(sorted(kwargs.items())))
+        if key in failures:
+            raise SharedLaunchFailed(f"{fn.__name__}{args or ''} failed earlier in this run and is not "
+                                     f"retried: {failures[key]}")
+        if key not in results:
+            try:
+                results[key] = fn(*args, **kwargs)
+            except Exception as exc:
+                failures[key] = f"{type(exc).__name__}: {exc}"
+                raise
+        return results[key]
+
+    wrapper.cache_clear = lambda: (results.clear(), failures.clear())
+    return wrapper
 
 
 def assert_every_check_passes(case: unittest.TestCase, results_by_world: dict[int, list[dict]]) -> None:
@@ -103,8 +135,23 @@ def run_under_torchrun(script: Path, args: list[str], nproc_per_node: int = 2, n
         if any(code != 0 for code in codes) or not report.exists():
             tails = "\n".join(f"--- torchrun node {node} (exit {code}):\n{output[-3000:]}"
                               for node, (code, output) in enumerate(zip(codes, outputs)))
-            raise AssertionError(f"torchrun run failed: {' '.join(lesson_args)}\n{tails}")
+            raise AssertionError(f"torchrun run failed: {rank_error(outputs)} "
+                                 f"(exit codes {codes}; {' '.join(lesson_args)})\n{tails}")
         return json.loads(report.read_text())
+
+
+def rank_error(outputs: list[str]) -> str:
+    """The failing rank's own error from torchrun's output: the one-line "error: rank N
+    failed: ..." a lesson prints, else the last exception line a rank printed (torchrun's
+    own ChildFailedError summary is skipped: it only says that a child failed)."""
+    text = "\n".join(outputs)
+    ours = re.findall(r"^(?:\[[^\]]*\]:?\s*)?error: (rank \d+ failed: .+)$", text, re.MULTILINE)
+    if ours:
+        return ours[0].strip()
+    raised = [line.strip() for line in re.findall(
+        r"^(?:\[[^\]]*\]:?\s*)?((?:[A-Za-z_.]+)?(?:Error|Exception|Interrupt)\b: .+)$", text, re.MULTILINE)
+        if "ChildFailedError" not in line]
+    return raised[0] if raised else "no rank printed an error (see the output below)"
 
 
 def _loopback_name() -> str:

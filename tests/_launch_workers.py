@@ -34,6 +34,17 @@ def hang_on(ctx, bad_rank):
     return ctx.rank
 
 
+def hang_in_phase(ctx, bad_rank):
+    """Every rank says which configuration it is in; one hangs inside the second one."""
+    from lessons._launch import phase
+    for config in ("ep=1 top_k=1", "ep=2 top_k=2"):
+        phase(config)
+        if ctx.rank == bad_rank and config == "ep=2 top_k=2":
+            time.sleep(3600)
+        dist.barrier()
+    return ctx.rank
+
+
 def die_on(ctx, bad_rank):
     """The rank kills itself with SIGKILL mid-collective (as `kill -9` would)."""
     dist.barrier()

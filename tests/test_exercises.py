@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 import textwrap
 import unittest
@@ -235,6 +236,134 @@ class TestGrading(unittest.TestCase):
         path = self.tmp / "main_copy.py"
         path.write_text(text)
         return path
+
+
+class TestGraderMessages(unittest.TestCase):
+    """What a learner reads when a test fails: the whole assertion (its own message too), the
+    place in the lesson's code that raised an error, never a word cut in half."""
+
+    def failure(self, fn) -> str:
+        from lessons._grading import _first_failure
+        try:
+            fn()
+        except BaseException:
+            return _first_failure(sys.exc_info())
+        self.fail("expected a failure")
+
+    def test_a_list_comparison_keeps_the_tests_own_message(self):
+        case = unittest.TestCase()
+        message = self.failure(lambda: case.assertEqual([1, 2, 3], [1, 2, 4], "kept slots, ep=2"))
+        self.assertIn("[1, 2, 3] != [1, 2, 4]", message)
+        self.assertTrue(message.endswith(": kept slots, ep=2"), message)
+        self.assertNotIn("\n", message)
+
+    def test_an_error_names_where_the_lessons_code_raised_it(self):
+        folder = Path(tempfile.mkdtemp()) / "lessons" / "99_toy"
+        self.addCleanup(shutil.rmtree, folder.parent.parent)
+        folder.mkdir(parents=True)
+        (folder / "zero3.py").write_text("def unpack(saved):\n    return {}[saved]\n")
+        namespace: dict = {}
+        exec(compile((folder / "zero3.py").read_text(), str(folder / "zero3.py"), "exec"), namespace)
+        message = self.failure(lambda: namespace["unpack"](2))
+        self.assertEqual(message, "KeyError: 2 (in unpack, lessons/99_toy/zero3.py:2)")
+
+    def test_a_long_message_is_shortened_at_a_word(self):
+        from lessons._grading import MESSAGE_CHARS
+        words = " ".join(f"word{i}" for i in range(400))
+        message = self.failure(lambda: unittest.TestCase().fail(words))
+        self.assertLessEqual(len(message), MESSAGE_CHARS)
+        self.assertTrue(message.endswith(" [...]"), message[-40:])
+        self.assertRegex(message[:-len(" [...]")], r"word\d+$")  # a whole word before the cut
+
+    def test_a_failed_shared_launch_is_not_retried(self):
+        from lessons._testing import SharedLaunchFailed, launch_once
+        calls = []
+
+        @launch_once
+        def hung_launch(world):
+            calls.append(world)
+            raise TimeoutError(f"rank 1 hung at world {world}")
+
+        with self.assertRaisesRegex(TimeoutError, "rank 1 hung at world 3"):
+            hung_launch(3)
+        with self.assertRaisesRegex(SharedLaunchFailed, r"hung_launch\(3,\) failed earlier .*rank 1 hung"):
+            hung_launch(3)
+        self.assertEqual(calls, [3], "the failed launch was run again")
+
+        @launch_once
+        def good_launch():
+            calls.append("good")
+            return {"ok": True}
+
+        self.assertIs(good_launch(), good_launch())
+        self.assertEqual(calls, [3, "good"])
+
+    def test_a_torchrun_failure_shows_the_ranks_own_error(self):
+        from lessons._testing import rank_error
+        traceback_text = ("Traceback (most recent call last):\n  File \"main.py\", line 3\n"
+                          "ValueError: Number of tensor splits not equal to group size\n")
+        torchrun_summary = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                            "main.py FAILED\n")
+        self.assertEqual(rank_error([traceback_text + torchrun_summary]),
+                         "ValueError: Number of tensor splits not equal to group size")
+        ours = "error: rank 1 failed: ValueError: Number of tensor splits not equal to group size\n"
+        self.assertEqual(rank_error(["all good\n", traceback_text + ours + torchrun_summary]),
+                         "rank 1 failed: ValueError: Number of tensor splits not equal to group size")
+
+
+class TestWorkspaceRecord(unittest.TestCase):
+    def test_exercises_md_shows_the_last_grade(self):
+        root = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, root)
+        make_workspace(root)
+        folder = root / "lessons" / "99_toy"
+        exercises = ex.find_exercises(folder / "main.py")
+        (root / "EXERCISES.md").write_text(ex.workspace_readme(folder, exercises, {"scale"}))
+        (root / "EXERCISES.json").write_text(json.dumps({"only": ["scale"], "grades": {}}))
+        with unittest.mock.patch.object(ex, "lesson_exercises", lambda _: exercises):
+            ex.record_grade(root, folder, {"scale": {"outcome": "failed", "message":
+                                                     "NotImplementedError: exercise scale"}})
+            self.assertIn("| `scale` | Scale a list | 3 | `scale` | to write (the stub is still there) |",
+                          (root / "EXERCISES.md").read_text())
+            self.assertIn("| `add` | Add two numbers | 2 | `add`, `Accumulator.push` | given |",
+                          (root / "EXERCISES.md").read_text())
+            ex.record_grade(root, folder, {"scale": {"outcome": "passed", "message": ""},
+                                           "integration": {"outcome": "passed", "message": ""}})
+        text = (root / "EXERCISES.md").read_text()
+        self.assertIn("| `scale` | Scale a list | 3 | `scale` | passed (3 points) |", text)
+        self.assertIn("3 of 5 points", text)
+
+
+class TestMutants(unittest.TestCase):
+    """course/mutants.py on the toy lesson: mutmut's operators applied to the exercises' bodies
+    only, each mutant graded like a planted bug, survivors reported unless explained."""
+
+    def test_mutants_touch_only_the_exercises_and_are_graded(self):
+        from course import mutants
+        root = Path(tempfile.mkdtemp())
+        self.addCleanup(shutil.rmtree, root)
+        lesson = make_workspace(root)
+        folder = root / "lessons" / "99_toy"
+        specs = mutants.mutants_of(folder)
+        described = [spec["mistake"] for spec in specs]
+        self.assertIn("line 9: return a + b -> return a - b", described)
+        self.assertTrue(all("untouched" not in spec["id"] and '"""' not in spec["mistake"] for spec in specs),
+                        f"a mutant outside the exercises' bodies: {described}")
+        self.assertEqual({spec["exercise"] for spec in specs}, {"add", "scale"})
+        for spec in specs:  # each is a valid planted bug: its find occurs exactly once
+            self.assertEqual((folder / spec["file"]).read_text().count(spec["find"]), 1, spec["id"])
+        minus = next(spec for spec in specs if spec["mistake"].endswith("return a - b"))
+        harmless = {**minus, "id": "add:harmless", "mistake": "a + b -> b + a",
+                    "replace": minus["find"].replace("return a + b", "return b + a")}
+        with unittest.mock.patch.dict("os.environ", {NO_PREWARM: "1"}):
+            graded = mutants.run_mutants(lesson, [minus, harmless, harmless], 60, False, root=root)
+        rows = mutants.classify([minus, harmless, {**harmless, "id": "add:explained"}], graded,
+                                {"add:explained": "addition commutes"})
+        self.assertEqual([row["outcome"] for row in rows], ["killed", "survived", "equivalent"])
+        counts = mutants.summary(rows)
+        self.assertEqual((counts["killed"], counts["survived"], counts["equivalent"]), (1, 1, 1))
+        self.assertFalse(counts["explained"])
+        self.assertEqual((folder / "main.py").read_text(), TOY_MAIN)  # the reference is untouched
 
 
 class TestBugSpecs(unittest.TestCase):

@@ -104,6 +104,18 @@ class TestLauncherFailures(unittest.TestCase):
         self.assertLess(elapsed, self.DEADLINE + 10)
         self.assert_no_workers_left()
 
+    def test_a_hang_names_the_configuration_and_the_worker(self):
+        with self.assertRaises(WorkerError) as caught:
+            launch(workers.hang_in_phase, 3, (1,), device="cpu", timeout_s=self.DEADLINE)
+        message = str(caught.exception)
+        self.assertEqual(caught.exception.rank, 1, message)
+        self.assertIn("while 'ep=2 top_k=2'", message)  # the phase it hung in
+        self.assertIn("in hang_in_phase (_launch_workers.py:", message)  # where it was stuck
+        self.assertIn("[worker tests._launch_workers.hang_in_phase, 3 ranks]", message)
+        # the two peers waiting in the barrier are symptoms, named briefly, not in full
+        self.assertIn("ranks 0, 2 then failed in communication", message)
+        self.assert_no_workers_left()
+
     def test_rank_killed_by_a_signal_is_named(self):
         with self.assertRaises(WorkerError) as caught:
             launch(workers.die_on, 3, (0,), device="cpu", timeout_s=30)

@@ -150,10 +150,50 @@ def fp16_flush_threshold() -> dict:
             "at_threshold": at, "just_above": above}
 
 
+def bf16_rounding_at_one() -> dict:
+    """bf16's neighbours of 1.0 are 1 + 2^-7 above and 1 - 2^-8 below, so 1.0 swallows an
+    increase up to half the upward step (2^-8 ~ 0.0039) and a decrease up to 2^-9 ~ 0.002."""
+    one = torch.ones((), dtype=torch.bfloat16)
+    return {"ulp_up": 2.0 ** -7, "ulp_down": 2.0 ** -8, "up_threshold": 2.0 ** -8,
+            "down_threshold": 2.0 ** -9,
+            "plus_0.0038": float(one + 0.0038), "plus_0.004": float(one + 0.004),
+            "minus_0.0019": float(one - 0.0019), "minus_0.002": float(one - 0.002)}
+
+
+def codebook_stats(signed: bool) -> dict:
+    """The dynamic codebook's resolution: codes, the smallest nonzero magnitude, and half the
+    gap to the next code relative to the values in between (from the top of the gap, where it
+    is smallest, to its bottom, where it is largest)."""
+    book = adam8bit.CODEBOOKS[signed].double()
+    positive = book[book > 0]
+    half = (positive[1:] - positive[:-1]) / 2
+    return {"codes": book.numel(), "smallest": float(positive[0]),
+            "half_gap_min": float((half / positive[1:]).min()),
+            "half_gap_max": float((half / positive[:-1]).max())}
+
+
+def fp8_demo(seed: int = 0) -> dict:
+    """The FP8 formats' limits (torch.finfo) and what per-tensor scaling buys: the share of the
+    small gradients (log-uniform in [1e-9, 1e-6]) that E4M3 and E5M2 flush to 0 unscaled and
+    scaled, and the largest relative error of the scaled values that stay normal."""
+    grads = small_gradients(seed=seed).double()
+    result = {}
+    for fmt, dtype in mixed_precision.FP8.items():
+        info = torch.finfo(dtype)
+        plain, _ = mixed_precision.fp8_round_trip(grads, fmt, scaled=False)
+        scaled, scale = mixed_precision.fp8_round_trip(grads, fmt)
+        normal = grads * scale >= info.smallest_normal
+        result[fmt] = {"max": info.max, "smallest_normal": info.smallest_normal,
+                       "zeroed_unscaled": float((plain == 0).double().mean()),
+                       "zeroed_scaled": float((scaled == 0).double().mean()),
+                       "max_rel_err_normal": float(((scaled - grads).abs() / grads)[normal].max())}
+    return result
+
+
 def swallowed_updates(steps: int = 100, update: float = 1e-3) -> dict:
-    """A weight of 1.0 receives `steps` updates of +update. In bf16 (8 significant bits: the
-    neighbours of 1.0 are 1 - 2^-8 and 1 + 2^-7) each add rounds back to 1.0, so all of them are
-    lost; an fp32 master weight keeps them, and the bf16 copy made from it moves."""
+    """A weight of 1.0 receives `steps` updates of +update. In bf16 each add of less than 2^-8
+    (half the step to 1 + 2^-7) rounds back to 1.0, so all of them are lost; an fp32 master
+    weight keeps them, and the bf16 copy made from it moves."""
     weight16 = torch.ones(1, dtype=torch.bfloat16)
     master = torch.ones(1, dtype=torch.float32)
     for _ in range(steps):
@@ -211,32 +251,36 @@ def forward_backward(tracker: memory.MemoryTracker, model, tokens, targets) -> i
 
 def compare_recomputation(seq: int, batch: int, hidden: int, heads: int, layers: int,
                           seed: int = 0) -> dict:
-    """Activation bytes alive after forward, and the gradients, with and without recompute."""
+    """Activation bytes alive after forward, the backward peak and the gradients of one fp32
+    step without recomputation ("plain"), with only the attention cores recomputed
+    ("selective") and with whole layers recomputed ("recompute")."""
     tokens, targets = tiny_gpt.markov_batches(64, seq, batch, 1, seed)[0]
     results = {}
-    for recompute in (False, True):
+    for name, recompute in (("plain", False), ("selective", "selective"), ("recompute", True)):
         torch.manual_seed(seed)
         model = tiny_gpt.TinyGPT(64, hidden, heads, layers, seq, recompute=recompute)
         tracker = memory.MemoryTracker()
         tracker.mark(model.parameters(), "parameter")
-        torch.manual_seed(seed + 1)  # the same dropout masks in both runs
+        torch.manual_seed(seed + 1)  # the same dropout masks in every run
         after_forward = forward_backward(tracker, model, tokens, targets)
-        results["recompute" if recompute else "plain"] = {
-            "activation_bytes": after_forward, "backward_peak_bytes": tracker.peak_bytes,
-            "grads": [p.grad.clone() for p in model.parameters()]}
-    plain, recomputed = results["plain"], results["recompute"]
-    results["grads_equal"] = all(torch.equal(a, b) for a, b in zip(plain.pop("grads"),
-                                                                     recomputed.pop("grads")))
+        results[name] = {"activation_bytes": after_forward, "backward_peak_bytes": tracker.peak_bytes,
+                         "grads": [p.grad.clone() for p in model.parameters()]}
+    grads = [results[name].pop("grads") for name in ("plain", "selective", "recompute")]
+    results["grads_equal"] = all(torch.equal(a, b) for other in grads[1:] for a, b in zip(grads[0], other))
+    plain, selective, recomputed = results["plain"], results["selective"], results["recompute"]
     results["saved_bytes"] = plain["activation_bytes"] - recomputed["activation_bytes"]
     # each layer keeps its fp32 input instead of all it saves (formula + LayerNorm statistics)
     results["saved_bytes_formula"] = layers * (
         memory.activation_bytes_per_layer(seq, batch, hidden, heads, 4)
         + memory.layernorm_stats_bytes(seq, batch, 4) - 4 * seq * batch * hidden)
+    # selective drops exactly the a s^2 b term: softmax output 4 + mask 1 + dropped 4 bytes (fp32)
+    results["selective_saved_bytes"] = plain["activation_bytes"] - selective["activation_bytes"]
+    results["selective_saved_bytes_formula"] = layers * heads * seq * seq * batch * (2 * 4 + 1)
     return results
 
 
 def gpt_step_on_meta(layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int = 1,
-                     recompute: bool = False) -> dict:
+                     recompute: bool | str = False) -> dict:
     """One bf16 step of TinyGPT (dropout on) at a real size, on the meta device: shapes and
     bytes, no memory and no arithmetic. The gradients are allocated up front, as a training loop
     that keeps them does, so at the backward peak beyond = peak - weights - gradients is what
@@ -424,6 +468,22 @@ def verify_worker(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int
                         f"1.0 + 100 x 0.001: bf16 {swallowed['bf16']}, fp32 master "
                         f"{swallowed['fp32_master']:.6f} (its bf16 copy "
                         f"{swallowed['bf16_copy_of_master']})"))
+    rounding = bf16_rounding_at_one()
+    checks.append(Check("bf16 at 1.0: + up to 2^-8 and - up to 2^-9 round back to 1.0",
+                        (rounding["plus_0.0038"], rounding["plus_0.004"], rounding["minus_0.0019"],
+                         rounding["minus_0.002"]) == (1.0, 1.0 + 2 ** -7, 1.0, 1.0 - 2 ** -8),
+                        f"1 + 0.0038 -> {rounding['plus_0.0038']}, 1 + 0.004 -> "
+                        f"{rounding['plus_0.004']}, 1 - 0.0019 -> {rounding['minus_0.0019']}, "
+                        f"1 - 0.002 -> {rounding['minus_0.002']}"))
+    fp8 = fp8_demo(seed)
+    checks.append(Check("FP8: per-tensor scaling keeps small gradients; error <= half a mantissa step",
+                        all(fp8[f]["zeroed_unscaled"] == 1.0 and fp8[f]["zeroed_scaled"] < 0.01
+                            for f in fp8) and fp8["e4m3"]["max_rel_err_normal"] <= 2 ** -4
+                        and fp8["e5m2"]["max_rel_err_normal"] <= 2 ** -3,
+                        ", ".join(f"{f}: max {v['max']:g}, zeroed {v['zeroed_unscaled']:.0%} unscaled, "
+                                  f"{v['zeroed_scaled']:.2%} scaled, max rel err "
+                                  f"{v['max_rel_err_normal']:.3f}" for f, v in fp8.items())))
+    metrics["fp8"] = fp8
     metrics["underflow"] = lost
     metrics["autocast"] = dtypes
     metrics["swallowed_updates"] = swallowed
@@ -436,7 +496,8 @@ def verify_worker(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int
     metrics["loss_scales"] = scaler["ours"]["scales"]
 
     recompute = compare_recomputation(seq, batch, hidden, heads, layers, seed)
-    checks.append(Check("recomputation: same gradients, bitwise", recompute["grads_equal"],
+    checks.append(Check("recomputation (whole layers, attention cores): same gradients, bitwise",
+                        recompute["grads_equal"],
                         "torch.equal on every parameter's gradient (dropout replayed)"))
     checks.append(Check("recomputation saves L x (layer's activations - its input) (measured)",
                         recompute["saved_bytes"] == recompute["saved_bytes_formula"],
@@ -444,6 +505,11 @@ def verify_worker(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int
                         f"{recompute['recompute']['activation_bytes']:,} B after forward; "
                         f"saved {recompute['saved_bytes']:,} B, "
                         f"formula {recompute['saved_bytes_formula']:,}"))
+    checks.append(Check("selective recomputation saves exactly the 5as/h term (measured)",
+                        recompute["selective_saved_bytes"] == recompute["selective_saved_bytes_formula"],
+                        f"{recompute['plain']['activation_bytes']:,} -> "
+                        f"{recompute['selective']['activation_bytes']:,} B after forward; saved "
+                        f"{recompute['selective_saved_bytes']:,} B = L a s^2 b x 9 (fp32)"))
     metrics["recompute"] = recompute
 
     eight = compare_adam8bit(steps, hidden, heads, layers, seq, 16, seed)

@@ -8,7 +8,8 @@ The technique in four files, in reading order. This one, main.py, measures and m
 2. Model states: bytes per parameter of each recipe (16 for fp32 or mixed-precision Adam, 18
    or 20 with Megatron's fp32 `main_grad`, about 10 with 8-bit Adam).
 3. Activations: a transformer layer written op for op as Korthikanti et al. count it keeps
-   sbh(34 + 5as/h) bytes in 16-bit (plus LayerNorm's statistics); the cost model of a step.
+   sbh(34 + 5as/h) bytes in 16-bit (plus LayerNorm's statistics), 34sbh when only its
+   attention core is recomputed (selective recomputation); the cost model of a step.
 tiny_gpt.py, 4. recomputation: `TinyGPT(recompute=True)` keeps each layer's input and replays its
 forward (and `markov_batches`, the learnable synthetic data later lessons train it on).
 mixed_precision.py: 16-bit training's fp32 master weights (`MixedPrecisionAdam`) and why fp16
@@ -37,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
 
 # ============================================================================ 1. the tracker
 
@@ -242,11 +244,13 @@ class TransformerLayer(nn.Module):
     and as^2 b: softmax output 2, its dropout mask 1, dropped probabilities 2 = 5.
     """
 
-    def __init__(self, hidden: int, heads: int, dropout: float = 0.1, causal: bool = True) -> None:
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.1, causal: bool = True,
+                 recompute_attention: bool = False) -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden {hidden} must be divisible by heads {heads}")
         self.heads, self.dropout, self.causal = heads, dropout, causal
+        self.recompute_attention = recompute_attention  # selective recomputation: the 5as/h term
         self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         self.qkv, self.out = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
         self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
@@ -256,14 +260,20 @@ class TransformerLayer(nn.Module):
         a, d = self.heads, h // self.heads
         q, k, v = self.qkv(self.ln1(x)).split(h, dim=-1)
         q, k, v = (t.reshape(s, b, a, d).permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
-        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
-        if self.causal:  # position i sees positions <= i; the add keeps nothing for backward
-            scores = scores + causal_bias(s, scores.dtype, scores.device)
-        probs = torch.softmax(scores, dim=-1)
-        context = self.drop(probs) @ v  # (b, a, s, d)
+        context = (checkpoint(self.attention, q, k, v, use_reentrant=False)
+                   if self.recompute_attention else self.attention(q, k, v))  # (b, a, s, d)
         context = context.permute(2, 0, 1, 3).reshape(s, b, h)
         x = x + self.drop(self.out(context))
         return x + self.drop(self.down(F.gelu(self.up(self.ln2(x)))))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The core, (b, a, s, d) x 3 -> (b, a, s, d): softmax(q k^T / sqrt(d) + mask), dropout,
+        times v. It alone keeps the a s^2 b tensors; recomputed, it keeps only q, k, v, which
+        the layer saves anyway (Korthikanti et al.'s selective recomputation)."""
+        scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
+        if self.causal:  # position i sees positions <= i; the add keeps nothing for backward
+            scores = scores + causal_bias(q.shape[2], scores.dtype, scores.device)
+        return self.drop(torch.softmax(scores, dim=-1)) @ v
 
     def drop(self, x: torch.Tensor) -> torch.Tensor:
         """Dropout in training mode only: in eval mode it neither changes x nor draws from the
@@ -285,16 +295,20 @@ def activation_bytes_per_layer(seq: int, batch: int, hidden: int, heads: int, it
 
 
 def layernorm_stats_bytes(seq: int, batch: int, itemsize: int = 2) -> int:
-    """The formula leaves out LayerNorm's mean and 1/std: 2 norms x 2 x s b values per layer."""
+    """The formula leaves out LayerNorm's mean and 1/std: 2 norms x 2 x s b values per layer,
+    of `itemsize` bytes: the parameters' dtype on the CPU (2 in bf16, measured), fp32 (4) in
+    CUDA's kernel whatever the input dtype (layer_norm_cuda allocates them in acc_type)."""
     return 2 * 2 * seq * batch * itemsize
 
 
 def measure_layer_activations(seq: int, batch: int, hidden: int, heads: int, layers: int = 1,
-                              dtype=torch.bfloat16, seed: int = 0) -> int:
+                              dtype=torch.bfloat16, seed: int = 0, selective: bool = False) -> int:
     """Bytes created by `layers` stacked layers' forward and still alive after it (what autograd
-    keeps for backward, plus the last output; the first input was made before)."""
+    keeps for backward, plus the last output; the first input was made before), with the
+    attention core recomputed when `selective`."""
     torch.manual_seed(seed)
-    stack = nn.Sequential(*[TransformerLayer(hidden, heads) for _ in range(layers)]).to(dtype)
+    stack = nn.Sequential(*[TransformerLayer(hidden, heads, recompute_attention=selective)
+                            for _ in range(layers)]).to(dtype)
     x = torch.randn(seq, batch, hidden, dtype=dtype, requires_grad=True)
     tracker = MemoryTracker()
     tracker.mark(stack.parameters(), "parameter")  # else a weight's .t() view counts as new
@@ -315,17 +329,21 @@ GPT2_XL = {"layers": 48, "hidden": 1600, "heads": 25, "vocab": 50257, "seq": 102
 
 
 def training_memory(layers: int, hidden: int, heads: int, vocab: int, seq: int, batch: int = 1,
-                    recipe: str = "mixed_adam", recompute: bool = False) -> dict:
-    """Bytes of one training step: model states (bytes/param x N) and the activations kept
-    between forward and backward (16-bit; with full recomputation only each layer's 2sbh input).
+                    recipe: str = "mixed_adam", recompute: bool | str = False) -> dict:
+    """Bytes of one training step: model states (bytes/param x N; with 8-bit Adam the token and
+    position embeddings keep 32-bit states, +6 B/param, as StableEmbedding asks) and the
+    activations kept between forward and backward in 16-bit: sbh(34 + 5as/h) per layer;
+    recompute="selective" (only the attention core) 34sbh; True or "full" only the 2sbh input.
 
     Not the backward peak: with recomputation one layer is rebuilt whole during backward (A
     bytes) next to its gradients' working set, and the loss needs the s b V logits; the README
     quotes that peak as measured by the tracker on the meta device."""
     n_params = gpt_param_count(layers, hidden, vocab, seq)
-    per_layer = (2 * seq * batch * hidden if recompute
-                 else activation_bytes_per_layer(seq, batch, hidden, heads))
-    states = model_state_bytes_per_param(recipe) * n_params
+    sbh = seq * batch * hidden
+    per_layer = {False: activation_bytes_per_layer(seq, batch, hidden, heads), "selective": 34 * sbh,
+                 True: 2 * sbh, "full": 2 * sbh}[recompute]
+    embeddings = (vocab + seq) * hidden if recipe == "mixed_adam8bit" else 0
+    states = model_state_bytes_per_param(recipe) * n_params + (8 - 2) * embeddings
     return {"params": n_params, "states_bytes": states, "activation_bytes_per_layer": per_layer,
             "activation_bytes": layers * per_layer, "total_bytes": states + layers * per_layer,
             "logits_bytes": 2 * seq * batch * vocab}

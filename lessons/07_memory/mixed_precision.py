@@ -9,6 +9,8 @@ and each piece here repairs one:
    Megatron's fp32 `main_grad` accumulator, 18 or 20 B/param.
 2. `DynamicLossScaler`: fp16's 5 exponent bits flush small gradients to zero; scaling the loss
    lifts them, with torch.amp.GradScaler's rules for backing off on overflow and growing again.
+3. FP8, briefly: `fp8_round_trip`, a tensor cast to E4M3 or E5M2 with a per-tensor scale, the
+   way an FP8 matmul receives its inputs (the states the optimizer keeps are unchanged).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from .main import optimizer_tensors
 class MixedPrecisionAdam:
     """Adam for a 16-bit model: fp32 master weights updated by torch's Adam, copied back.
 
-    Why the master: a bf16 weight near 1 has 8 significant bits; an update smaller than half
-    its last place (2^-9 ~ 0.002 at 1.0) rounds away and is lost, however many steps add it.
+    Why the master: a bf16 weight has 8 significant bits. Its neighbours at 1.0 are 1 + 2^-7
+    above and 1 - 2^-8 below, so an increase up to half the upward step (2^-8 ~ 0.0039: 1.0 +
+    0.0038 stays 1.0, 1.0 + 0.004 becomes 1.0078) or a decrease up to 2^-9 ~ 0.002 rounds
+    back to 1.0 and is lost, however many steps apply it.
     With `fp32_accumulation`, `accumulate()` adds each 16-bit gradient into a persistent fp32
     buffer (Megatron's main_grad); `free_model_grads` then frees the 16-bit .grad, as
     Megatron's backward hook does (18 B/param instead of 20)."""
@@ -85,6 +89,7 @@ class DynamicLossScaler:
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval, self.clean_steps = growth_interval, 0
         self.found_inf = False
+        self.unscaled: set[int] = set()  # id of each optimizer unscaled since the last update()
 
     # exercise loss-scaler (4 points): Dynamic loss scaling with GradScaler's rules
     # hint: check isfinite before multiplying by 1/S; on overflow skip optimizer.step(), halve S and
@@ -95,9 +100,16 @@ class DynamicLossScaler:
 
     # exercise loss-scaler (continued)
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Every .grad of the optimizer's parameters x (1/S), in place, with 1/S computed in
-        float64 and rounded to float32 (GradScaler's arithmetic, so the weights match bitwise);
-        found_inf = True if any gradient holds an inf or a NaN (checked before scaling)."""
+        """Every .grad of the optimizer's parameters x (1/S), in place (the same tensor objects:
+        a clip or a hook between unscale_ and step sees them), with 1/S computed in float64 and
+        rounded to float32 (GradScaler's arithmetic, so the weights match bitwise); found_inf
+        = True if any gradient of THIS call holds an inf or a NaN (checked before scaling).
+        Records the optimizer as unscaled; a second unscale_ of it before update() raises
+        RuntimeError, as GradScaler's does (the gradients would be divided twice)."""
+        if id(optimizer) in self.unscaled:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                               "last update()")
+        self.unscaled.add(id(optimizer))
         inv_scale = self.scale_value.double().reciprocal().float()
         self.found_inf = False
         for group in optimizer.param_groups:
@@ -108,8 +120,11 @@ class DynamicLossScaler:
 
     # exercise loss-scaler (continued)
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale and step unless a gradient overflowed; True when the step was taken."""
-        self.unscale_(optimizer)
+        """Unscale (unless unscale_ was already called for this optimizer since the last
+        update(), e.g. to clip: GradScaler's rule) and step unless a gradient overflowed; True
+        when the step was taken."""
+        if id(optimizer) not in self.unscaled:
+            self.unscale_(optimizer)
         if not self.found_inf:
             optimizer.step()
         return not self.found_inf
@@ -118,7 +133,9 @@ class DynamicLossScaler:
     def update(self) -> None:
         """After each step. An overflow (found_inf): S x backoff_factor and the clean-step
         counter restarts at 0. Otherwise the counter grows by one; when it reaches
-        growth_interval, S x growth_factor and the counter restarts at 0."""
+        growth_interval, S x growth_factor and the counter restarts at 0. Every optimizer may be
+        unscaled again afterwards."""
+        self.unscaled.clear()
         if self.found_inf:
             self.scale_value = self.scale_value * self.backoff_factor
             self.clean_steps = 0
@@ -130,3 +147,25 @@ class DynamicLossScaler:
 
     def get_scale(self) -> float:
         return float(self.scale_value)
+
+
+# ============================================================================ 3. FP8, briefly
+
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}  # max 448 (no inf) and 57,344
+
+
+def fp8_round_trip(x: torch.Tensor, fmt: str, scaled: bool = True) -> tuple[torch.Tensor, float]:
+    """x -> (the values an FP8 matmul would see, back in x's dtype; the scale used).
+
+    FP8 formats (Micikevicius et al., arXiv 2209.05433): E4M3 (4 exponent bits, 3 mantissa
+    bits, max 448) for weights and activations, E5M2 (max 57,344) for gradients. Their range
+    is too narrow for raw tensors, so each tensor is multiplied by a scale before the cast and
+    divided after: here current per-tensor scaling, scale = max_fp8 / amax(x), so the largest
+    |x| lands on the largest code (Transformer Engine's delayed scaling takes amax from a
+    history of earlier steps instead). `scaled=False` casts with scale 1: values below the
+    format's smallest subnormal flush to 0. Relative error of a normal value: at most half a
+    mantissa step, 2^-4 (E4M3) or 2^-3 (E5M2)."""
+    dtype = FP8[fmt]
+    amax = float(x.abs().max()) if x.numel() else 0.0
+    scale = torch.finfo(dtype).max / amax if scaled and amax > 0 else 1.0
+    return (x * scale).to(dtype).to(x.dtype) / scale, scale

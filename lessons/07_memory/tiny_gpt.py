@@ -1,8 +1,9 @@
 """Lesson 07, part 4: recomputation, in the small GPT later lessons train.
 
 `TinyGPT` (token and position embeddings, main.py's `TransformerLayer`s, a final LayerNorm, a
-tied head) with `recompute`: True (every layer), False, or a set of layer indices whose forward
-is replayed during backward, so that only the layer's input is kept. `markov_batches`: a
+tied head) with `recompute`: True (every layer), False, a set of layer indices whose forward
+is replayed during backward, so that only the layer's input is kept, or "selective" (every
+layer recomputes only its attention core: Korthikanti et al.'s selective recomputation). `markov_batches`: a
 learnable synthetic language to train it on (lessons 08, 10, 11 and 13 use both).
 """
 
@@ -20,13 +21,18 @@ from . import main as memory
 
 class TinyGPT(nn.Module):
     """Token + position embeddings, `layers` TransformerLayers, final LayerNorm, tied head.
-    `recompute`: True (every layer), False, or the set of layer indices to recompute."""
+    `recompute`: True (every layer), False, the set of layer indices to recompute, or
+    "selective" (the attention core of every layer)."""
 
     def __init__(self, vocab: int, hidden: int, heads: int, layers: int, seq: int,
-                 dropout: float = 0.1, recompute: bool | set[int] = False) -> None:
+                 dropout: float = 0.1, recompute: bool | set[int] | str = False) -> None:
         super().__init__()
+        if isinstance(recompute, str) and recompute != "selective":
+            raise ValueError(f"recompute={recompute!r}: True, False, a set of layers or 'selective'")
         self.embed, self.pos = nn.Embedding(vocab, hidden), nn.Embedding(seq, hidden)
-        self.layers = nn.ModuleList(memory.TransformerLayer(hidden, heads, dropout) for _ in range(layers))
+        self.layers = nn.ModuleList(memory.TransformerLayer(hidden, heads, dropout,
+                                                            recompute_attention=recompute == "selective")
+                                    for _ in range(layers))
         self.norm = nn.LayerNorm(hidden)
         self.recompute = recompute
         for table in (self.embed, self.pos):  # GPT-2's init: the tied head starts near uniform
@@ -37,7 +43,8 @@ class TinyGPT(nn.Module):
         x = (self.embed(tokens) + self.pos.weight[: tokens.shape[1]]).transpose(0, 1)
         for index, layer in enumerate(self.layers):
             # recompute: keep only the layer's input; run its forward again during backward
-            again = self.recompute is True or index in (self.recompute or ())
+            again = self.recompute is True or (isinstance(self.recompute, (set, frozenset))
+                                               and index in self.recompute)
             x = checkpoint(layer, x, use_reentrant=False) if again else layer(x)
         return self.norm(x).transpose(0, 1) @ self.embed.weight.T
 

@@ -1,7 +1,7 @@
 """Lesson 08's proof: the chunk manager (main.py) and its cost model (cost_model.py), measured.
 
 * every (persistent chunks, recomputed blocks) configuration trains bitwise like plain training
-  with torch.optim.Adam;
+  with torch.optim.Adam (and, in the tests, with AdamW, SGD with momentum and frozen parameters);
 * the profiler (ProTrain's memory-aware profiler in miniature): lesson 07's tracker for bytes,
   the clock for the copies the manager makes and the steps it runs;
 * predicted peaks against the tracker, predicted fetches against the counted ones, the
@@ -11,12 +11,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
 import time
 
 import torch
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lessons._checks import best_time, synchronize
 from lessons._launch import RankContext, inject_fault, launch
@@ -28,7 +31,6 @@ from . import main as offload
 LESSON = "08_offload"
 memory = offload.memory  # lesson 07's technique
 tiny_gpt = offload.tiny_gpt  # lesson 07's TinyGPT, markov_batches
-adam8bit = offload.adam8bit  # lesson 07's 8-bit Adam (quantization off: plain Adam)
 
 
 # ============================================================================ training runs
@@ -40,41 +42,98 @@ def offload_batches(config: dict, steps: int, seed: int) -> list[tuple]:
     return [tuple(t.to(config.get("device", "cpu")) for t in batch) for batch in batches]
 
 
-def train_plain(config: dict, steps: int, seed: int, lr: float = 1e-3) -> dict:
-    """The reference: the same model trained with torch.optim.Adam, nothing offloaded."""
+def freeze(model, frozen: tuple[str, ...]) -> None:
+    """requires_grad = False for the parameters named in `frozen` (the LoRA case: base weights
+    frozen), before anything is built on the model."""
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
+def train_plain(config: dict, steps: int, seed: int, optimizer_class=torch.optim.Adam,
+                frozen: tuple[str, ...] = (), unused_at: dict | None = None, **defaults) -> dict:
+    """The reference: the same model trained with `optimizer_class(model.parameters(),
+    **defaults)` (default Adam, lr 1e-3), nothing offloaded. `frozen` parameters never get a
+    gradient; `unused_at[step]` names parameters that get none in that step only."""
+    defaults.setdefault("lr", 1e-3)
     model = offload.make_offload_model(config, seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
+    freeze(model, frozen)
+    optimizer = optimizer_class(model.parameters(), **defaults)
     losses = []
-    for tokens, targets in offload_batches(config, steps, seed):
+    for step, (tokens, targets) in enumerate(offload_batches(config, steps, seed)):
         optimizer.zero_grad(set_to_none=True)
-        loss = model.loss(tokens, targets)
+        with unused(model, (unused_at or {}).get(step, ())):
+            loss = model.loss(tokens, targets)
         loss.backward()
         optimizer.step()
         losses.append(float(loss.detach()))
     return {"losses": losses, "weights": [p.detach().cpu().clone() for p in model.parameters()]}
 
 
+@contextlib.contextmanager
+def unused(model, names) -> None:
+    """Inside: the named (trainable) parameters take no gradient, as a parameter that a step
+    does not use; restored afterwards."""
+    params = [p for n, p in model.named_parameters() if n in names]
+    for param in params:
+        param.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for param in params:
+            param.requires_grad_(True)
+
+
 def attach_tracker(manager: offload.ChunkManager, tracker, moments: dict) -> None:
     """File the manager's tensors in lesson 07's tracker (device vs host), run its steps in the
-    tracker's phases, and record the device peak of each moment into `moments`."""
+    tracker's phases, and record into `moments` the device peak of each moment ("forward_peak",
+    ...) and the device bytes still live when it ends ("forward_end": what forward leaves for
+    backward)."""
     config = manager.config
     tracker.mark(offload.fixed_parameters(manager.model), "parameter")
     tracker.mark(manager.flat[:config.n_persist] + manager.buffers, "parameter")
     tracker.mark(manager.grad[:config.n_persist], "gradient")
     tracker.mark(manager.flat[config.n_persist:] + manager.grad[config.n_persist:], "host")
-    tracker.mark(memory.optimizer_tensors(manager.device_optimizer), "optimizer")
-    if manager.host_optimizer is not None:
-        tracker.mark(memory.optimizer_tensors(manager.host_optimizer), "host")
+    mark_states(tracker, manager)
 
     def observe(name: str) -> None:
         if name == "backward_peak":
             tracker.mark((p.grad for p in offload.fixed_parameters(manager.model)), "gradient")
         if name == "step_peak":
-            tracker.mark(memory.optimizer_tensors(manager.device_optimizer), "optimizer")
+            mark_states(tracker, manager)
         moments[name] = tracker.peak_bytes
+        moments[name.replace("_peak", "_end")] = tracker.live_bytes  # what stays, at that point
         tracker.reset_peak()
 
     manager.phase, manager.observe = tracker.phase, observe
+
+
+def mark_states(tracker, manager: offload.ChunkManager) -> None:
+    """The device optimizer's states are device memory; its scalar step counters (torch's Adam
+    keeps them on the CPU unless capturable or fused) and all the host optimizer's states are
+    host memory."""
+    states = memory.optimizer_tensors(manager.device_optimizer)
+    tracker.mark([t for t in states if t.dim() > 0], "optimizer")
+    tracker.mark([t for t in states if t.dim() == 0], "host")
+    if manager.host_optimizer is not None:
+        tracker.mark(memory.optimizer_tensors(manager.host_optimizer), "host")
+
+
+class CopyCounter(TorchDispatchMode):
+    """Counts the elements copied into the manager's chunk buffers (every aten copy_ whose
+    destination shares a buffer's storage): what the fetches really move, whatever code
+    issues them."""
+
+    def __init__(self, manager: offload.ChunkManager) -> None:
+        super().__init__()
+        self.buffers = {b.untyped_storage().data_ptr() for b in manager.buffers}
+        self.copies, self.numel = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default and \
+                args[0].untyped_storage().data_ptr() in self.buffers:
+            self.copies, self.numel = self.copies + 1, self.numel + args[0].numel()
+        return func(*args, **(kwargs or {}))
 
 
 def final_weights(manager: offload.ChunkManager) -> list[torch.Tensor]:
@@ -89,33 +148,41 @@ def final_weights(manager: offload.ChunkManager) -> list[torch.Tensor]:
 
 
 def train_offloaded(config: dict, offload_config: offload.OffloadConfig, steps: int, seed: int,
-                    lr: float = 1e-3) -> dict:
-    """Train with `offload_config`. The last step runs under lesson 07's tracker: its device
-    bytes at the start and at three moments (see ChunkManager.step), its peak, its chunk
-    fetches. "seconds": the median untracked step after the first (nan with fewer than 3)."""
+                    optimizer_class=torch.optim.Adam, frozen: tuple[str, ...] = (),
+                    unused_at: dict | None = None, **defaults) -> dict:
+    """Train with `offload_config` and `optimizer_class(**defaults)` (default Adam, lr 1e-3;
+    `frozen` and `unused_at` as in train_plain). The last step runs under lesson 07's tracker:
+    its device bytes at the start and at three moments (see ChunkManager.step), its peak, and
+    under a CopyCounter the chunk copies and the elements they moved. "seconds": the median
+    untracked step after the first (nan with fewer than 3)."""
+    defaults.setdefault("lr", 1e-3)
     device = config.get("device", "cpu")
     model = offload.make_offload_model(config, seed)
-    manager = offload.ChunkManager(model, offload_config, config["chunk_numel"], lr=lr, device=device)
+    freeze(model, frozen)
+    manager = offload.ChunkManager(model, offload_config, config["chunk_numel"], optimizer_class,
+                                   device=device, **defaults)
     batches = offload_batches(config, steps, seed)
     losses, seconds = [], []
-    for tokens, targets in batches[:-1]:
+    for step, (tokens, targets) in enumerate(batches[:-1]):
         synchronize(device)
         started = time.perf_counter()
-        losses.append(manager.step(tokens, targets))
+        with unused(model, (unused_at or {}).get(step, ())):
+            losses.append(manager.step(tokens, targets))
         synchronize(device)
         seconds.append(time.perf_counter() - started)
-    tracker = memory.MemoryTracker(device)
+    tracker, copies = memory.MemoryTracker(device), CopyCounter(manager)
     moments: dict = {}
     attach_tracker(manager, tracker, moments)
     tracker.reset_peak()
     manager.pool.fetches = 0
     moments["start"] = tracker.live_bytes
-    with tracker:
+    with tracker, copies, unused(model, (unused_at or {}).get(len(batches) - 1, ())):
         losses.append(manager.step(*batches[-1]))
     steady = sorted(seconds[1:]) or [math.nan]  # the first step allocates Adam's states
     peak = max(moments["forward_peak"], moments["backward_peak"], moments["step_peak"])
     return {"losses": losses, "weights": final_weights(manager), "moments": moments,
-            "peak_bytes": peak, "fetches": manager.pool.fetches, "seconds": steady[len(steady) // 2]}
+            "peak_bytes": peak, "fetches": manager.pool.fetches, "copies": copies.copies,
+            "copied_numel": copies.numel, "seconds": steady[len(steady) // 2]}
 
 
 # ============================================================================ the profiler
@@ -139,8 +206,16 @@ def copy_seconds_per_byte(config: dict, used: list[int], repeats: int) -> tuple[
 def adam_seconds_per_element(numel: int, device: str, repeats: int) -> float:
     flat = torch.zeros(numel, device=device)
     flat.grad = torch.randn_like(flat)
-    adam = adam8bit.Adam8bit([flat], min_8bit_numel=math.inf)
+    adam = torch.optim.Adam([flat])
     return best_time(adam.step, repeats, device) / numel
+
+
+def largest_in_chunks(slots: list, n_chunks: int) -> list[int]:
+    """The largest parameter (elements) in each chunk: what the optimizer's temporaries scale with."""
+    largest = [0] * n_chunks
+    for slot in slots:
+        largest[slot.chunk] = max(largest[slot.chunk], slot.numel)
+    return largest
 
 
 def profile_model(config: dict, seed: int, repeats: int = 3) -> tuple[cost_model.Profile, dict]:
@@ -157,15 +232,16 @@ def profile_model(config: dict, seed: int, repeats: int = 3) -> tuple[cost_model
     profile = cost_model.Profile(used, offload.chunks_of_block(slots, config["layers"]),
                                  config["chunk_numel"], sum(p.numel() for p in fixed),
                                  max(p.numel() for p in fixed), act_block,
-                                 seq * batch * hidden * cost_model.ITEMSIZE)
+                                 seq * batch * hidden * cost_model.ITEMSIZE,
+                                 chunk_largest=largest_in_chunks(slots, len(used)))
     plain = offload.OffloadConfig(len(used), 0)
     run = train_offloaded(config, plain, repeats + 2, seed)
     moments, static = run["moments"], cost_model.static_bytes(profile, plain)
     blocks = config["layers"] * act_block
     profile.forward_extra = moments["forward_peak"] - static - blocks
     profile.backward_extra = moments["backward_peak"] - static - blocks
-    profile.step_extra = (moments["step_peak"] - static
-                          - 2 * cost_model.ITEMSIZE * max([profile.largest_fixed] + used))
+    profile.step_extra = (moments["step_peak"] - static - 2 * cost_model.ITEMSIZE
+                          * max([profile.largest_fixed] + profile.chunk_largest))
     profile.t_plain_step = run["seconds"]
     x = torch.randn(seq, batch, hidden, device=device)
     with torch.no_grad():
@@ -201,34 +277,38 @@ def named_model_layout(layers: int, hidden: int, heads: int, vocab: int, seq: in
             "fixed_params": profile.fixed_numel,
             "buffers": cost_model.buffers_needed(profile, none),
             "fetches_all_offloaded": cost_model.count_fetches(profile, none),
+            "fetched_numel_all_offloaded": cost_model.fetched_numel(profile, none),
             "static_all_persistent": cost_model.static_bytes(profile, every),
             "static_all_offloaded": cost_model.static_bytes(profile, none),
             "host_all_offloaded": 4 * cost_model.ITEMSIZE * sum(used)}
 
 
-def offload_traffic(layout: dict, tokens: int, link_bytes_per_s: float = 25e9,
+def offload_traffic(layout: dict, tokens: int, itemsize: int = 2, link_bytes_per_s: float = 25e9,
                     flops_per_s: float = 400e12) -> dict:
     """PCIe bytes per step against compute per step, for a model with every block chunk
-    offloaded. The rates are assumptions, not measurements: `link_bytes_per_s` (PCIe 4.0 x16
-    is 31.5 GB/s per direction nominal), `flops_per_s` sustained (about 40% of an H100 SXM's
-    989 TFLOP/s dense bf16 peak). Compute: 6 x N x tokens FLOPs (forward and backward);
-    copies: bytes / link, the two directions not overlapped with each other.
+    offloaded, chunks of `itemsize`-byte elements. The rates are assumptions, not
+    measurements: `link_bytes_per_s` (PCIe 4.0 x16 is 31.5 GB/s per direction nominal),
+    `flops_per_s` sustained bf16 (about 40% of an H100 SXM's 989 TFLOP/s dense bf16 peak), so
+    the copies are priced in the same precision (itemsize 2, the default): compute runs on
+    16-bit weights, and so do the chunks that feed it. Compute: 6 x N x tokens FLOPs (forward
+    and backward); copies: bytes / link, the two directions not overlapped with each other.
 
-    This lesson's manager (fp32): every fetch moves a 4-byte chunk up (each chunk goes up for
-    forward and again for backward) and every gradient comes down in fp32. ZeRO-Offload's
-    choice: keep the 16-bit weights on the GPU, move only 16-bit gradients down and 16-bit
-    updated weights up, 2 + 2 bytes per parameter per step; the fp32 master weights and Adam's
-    states (12 bytes per parameter) never cross the link."""
+    This lesson's manager: the chunks it fetches (up: each copies its chunk's used elements,
+    fetched_numel) and every block gradient (down). ZeRO-Offload's schedule: the 16-bit
+    weights of ALL parameters stay on the GPU, their 16-bit gradients go down and the updated
+    16-bit weights come up, 2 + 2 bytes per parameter per step; the fp32 master weights and
+    Adam's states never cross the link."""
     params = layout["block_params"] + layout["fixed_params"]
-    ours = cost_model.ITEMSIZE * (layout["fetches_all_offloaded"] * layout["chunk_numel"]
-                               + layout["block_params"])
-    zero_offload = (2 + 2) * layout["block_params"]
+    up, down = itemsize * layout["fetched_numel_all_offloaded"], itemsize * layout["block_params"]
+    zero_offload = (2 + 2) * params
     flops_per_token = 6 * params
-    return {"ours_bytes": ours, "ours_seconds": ours / link_bytes_per_s,
+    return {"ours_h2d_bytes": up, "ours_d2h_bytes": down, "ours_bytes": up + down,
+            "ours_seconds": (up + down) / link_bytes_per_s,
             "zero_offload_bytes": zero_offload, "zero_offload_seconds": zero_offload / link_bytes_per_s,
             "compute_seconds": flops_per_token * tokens / flops_per_s,
             # tokens per step at which compute takes as long as the copies
-            "break_even_tokens_ours": math.ceil(ours / link_bytes_per_s * flops_per_s / flops_per_token),
+            "break_even_tokens_ours": math.ceil((up + down) / link_bytes_per_s * flops_per_s
+                                                / flops_per_token),
             "break_even_tokens_zero_offload": math.ceil(zero_offload / link_bytes_per_s * flops_per_s
                                                         / flops_per_token)}
 
@@ -273,7 +353,10 @@ def verify_worker(ctx: RankContext, seed: int, config: dict, steps: int, budget:
                      "seconds_predicted": cost_model.predict_time(profile, candidate)})
         equal.append(run["losses"] == reference["losses"] and
                      all(torch.equal(a, b) for a, b in zip(run["weights"], reference["weights"])))
-        fetches_ok.append(rows[-1]["fetches"] == rows[-1]["fetches_predicted"])
+        rows[-1].update(copies=run["copies"], copied_numel=run["copied_numel"],
+                        copied_numel_predicted=cost_model.fetched_numel(profile, candidate))
+        fetches_ok.append(rows[-1]["fetches"] == rows[-1]["fetches_predicted"] == run["copies"]
+                          and run["copied_numel"] == rows[-1]["copied_numel_predicted"])
         static_ok.append(run["moments"]["start"] == cost_model.static_bytes(profile, candidate))
     worst = max(rows, key=lambda r: r["rel_err"])
     chosen_row = next(r for r in rows if (r["n_persist"], r["n_checkpoint"]) ==
@@ -289,8 +372,9 @@ def verify_worker(ctx: RankContext, seed: int, config: dict, steps: int, budget:
               f"max relative error {worst['rel_err']:.2%} at n_persist={worst['n_persist']}, "
               f"n_checkpoint={worst['n_checkpoint']} ({worst['peak_predicted']:,} vs "
               f"{worst['peak_measured']:,} B)"),
-        Check("predicted chunk fetches == counted, every configuration", all(fetches_ok),
-              f"e.g. all offloaded: {next(r['fetches'] for r in rows if r['n_persist'] == 0)}"),
+        Check("predicted chunk fetches and copied elements == counted, every configuration",
+              all(fetches_ok), "e.g. all offloaded: {fetches} fetches, {copied_numel:,} "
+              "elements copied".format(**next(r for r in rows if r["n_persist"] == 0))),
         Check(f"the planner's choice fits the budget with a {safety:.2f} margin (measured)",
               math.ceil(safety * chosen_row["peak_measured"]) <= budget,
               f"budget {budget:,} B: n_persist={chosen.n_persist}, n_checkpoint={chosen.n_checkpoint}, "

@@ -6,8 +6,9 @@ recomputed blocks) configuration of main.py's `ChunkManager`, without running it
 
 1. `static_bytes`: the device bytes alive when a step starts (states and chunk buffers);
 2. `predict_peak`: static + the largest of the forward, backward and optimizer-step moments;
-3. `count_fetches`: one step's host-to-device chunk copies, through main.py's own LRU pool and
-   prefetch plan (so the predicted number is the counted one);
+3. `count_fetches` and `fetched_numel`: one step's host-to-device chunk copies and the elements
+   they move (each copies only its chunk's used part), through main.py's own LRU pool and
+   prefetch plan (so the predicted numbers are the counted ones);
 4. `predict_time`: the plain step plus what recomputation, copies and the host Adam add;
 5. `plan`: the fastest configuration whose peak, times a safety factor, fits a memory budget,
    or `BudgetError` naming the smallest feasible budget.
@@ -23,6 +24,8 @@ from . import main as offload
 from .main import OffloadConfig
 
 ITEMSIZE = 4  # fp32 training: every state is 4 bytes per element
+# The states priced here are torch.optim.Adam's (m and v: 2 x 4 bytes per element; its step
+# counters are CPU scalars, host memory); another optimizer class changes that 8.
 
 # ============================================================================ 1. the profile
 
@@ -47,6 +50,8 @@ class Profile:
     t_d2h_per_byte: float = 0.0  # a block's gradients: device -> host, as _grad_ready copies them
     t_adam_device: float = 0.0  # per element
     t_adam_host: float = 0.0  # per element
+    chunk_largest: list[int] = dataclasses.field(default_factory=list)  # largest parameter in each
+    # chunk (the optimizer steps parameters, not chunks); empty: a chunk counts as one tensor
 
 
 # ============================================================================ 2. the predictions
@@ -77,33 +82,45 @@ def predict_peak(profile: Profile, config: OffloadConfig) -> int:
     forward (its peak is at its end): every block's kept bytes (a recomputed block: only its input) + extras;
     backward of the last block: the earlier blocks' bytes + one whole block (rematerialised if
     it was recomputed) + extras;
-    optimizer step: Adam's two temporaries as large as the largest device tensor + extras."""
+    optimizer step: Adam's two temporaries as large as the largest device parameter + extras."""
     n_blocks = len(profile.block_chunks)
     kept = [profile.act_input if b < config.n_checkpoint else profile.act_block for b in range(n_blocks)]
     forward = sum(kept) + profile.forward_extra
     backward = sum(kept[:-1]) + profile.act_block + profile.backward_extra
-    largest = max([profile.largest_fixed] + profile.chunk_used[:config.n_persist])
+    largest = max([profile.largest_fixed]
+                  + (profile.chunk_largest or profile.chunk_used)[:config.n_persist])
     step = 2 * ITEMSIZE * largest + profile.step_extra
     return static_bytes(profile, config) + max(forward, backward, step)
 
 
-def count_fetches(profile: Profile, config: OffloadConfig) -> int:
-    """Host-to-device chunk copies in one step: blocks 0..L-1 forward, then L-1..0 backward
-    (a recomputed block twice: its backward pre-hook, then its forward again), through the same
-    LRU pool and prefetch rule (access_plan) the manager uses."""
+def fetched_chunks(profile: Profile, config: OffloadConfig) -> list[int]:
+    """The chunks copied host-to-device in one step, in order: blocks 0..L-1 forward, then
+    L-1..0 backward (a recomputed block twice: its backward pre-hook, then its forward again),
+    through the same LRU pool and prefetch rule (access_plan) the manager uses."""
     n_buffers = buffers_needed(profile, config)
     if n_buffers == 0:
-        return 0
+        return []
     pool = offload.BufferPool(n_buffers)  # main.py's pool and plan, looked up when called
     n_blocks = len(profile.block_chunks)
-    backward = []
+    backward, fetched = [], []
     for block in reversed(range(n_blocks)):  # a recomputed block runs its forward again
         backward += [block, block] if block < config.n_checkpoint else [block]
     for block, direction in [(b, 1) for b in range(n_blocks)] + [(b, -1) for b in backward]:
         for chunks, keep in offload.access_plan(profile.block_chunks, config.n_persist, block,
                                                 direction, pool):
-            pool.acquire(chunks, keep)
-    return pool.fetches
+            fetched += [chunk for chunk, _, new in pool.acquire(chunks, keep) if new]
+    return fetched
+
+
+def count_fetches(profile: Profile, config: OffloadConfig) -> int:
+    """Host-to-device chunk copies in one step."""
+    return len(fetched_chunks(profile, config))
+
+
+def fetched_numel(profile: Profile, config: OffloadConfig) -> int:
+    """Elements those copies move: each copies its chunk's used elements, not the whole
+    buffer (the last chunk of a block is often short), so sum(chunk_used[c]) over fetches."""
+    return sum(profile.chunk_used[chunk] for chunk in fetched_chunks(profile, config))
 
 
 def predict_time(profile: Profile, config: OffloadConfig) -> float:
@@ -111,7 +128,7 @@ def predict_time(profile: Profile, config: OffloadConfig) -> float:
     thing after another (as this lesson's does), so the terms add:
 
     T = T_plain + n_checkpoint x T_forward_block                 (recomputation)
-        + fetches x C x 4 B x t_h2d                              (chunk fetches)
+        + fetched elements x 4 B x t_h2d                         (chunk fetches)
         + offloaded elements x 4 B x t_d2h                       (gradients to the host)
         + offloaded elements x (t_adam_host - t_adam_device)     (the host Adam)
 
@@ -119,7 +136,7 @@ def predict_time(profile: Profile, config: OffloadConfig) -> float:
     Adam with backward (T_fwd + max(T_bwd + T_gpu_optim, T_cpu_optim); exercise 3)."""
     offloaded = sum(profile.chunk_used[config.n_persist:])
     return (profile.t_plain_step + config.n_checkpoint * profile.t_forward_block
-            + count_fetches(profile, config) * profile.chunk_numel * ITEMSIZE * profile.t_h2d_per_byte
+            + fetched_numel(profile, config) * ITEMSIZE * profile.t_h2d_per_byte
             + offloaded * ITEMSIZE * profile.t_d2h_per_byte
             + offloaded * (profile.t_adam_host - profile.t_adam_device))
 

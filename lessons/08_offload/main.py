@@ -10,8 +10,9 @@ The technique in two files, in reading order. This one, main.py, runs a step off
 3. `ChunkManager`: before a block runs (forward, backward or recomputation) its chunks are
    copied into the pool. Weights that autograd saves for backward are stored as references to
    their chunk (saved-tensor hooks), so a buffer can be reused: backward fetches the chunk
-   again. Gradients of offloaded chunks go to host memory as soon as they are ready; an Adam
-   step on the host updates them. Blocks may also be recomputed (lesson 07).
+   again. Gradients of offloaded chunks go to host memory as soon as they are ready; any
+   torch.optim class (ZeroRedundancyOptimizer's `optimizer_class, **defaults` contract) steps
+   the host copies. Blocks may also be recomputed (lesson 07).
 
 The cost model that plans a configuration without running it (ProTrain's, in miniature:
 `predict_peak`, `count_fetches`, `predict_time`, and `plan` under a memory budget) is in
@@ -26,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import math
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -39,7 +39,6 @@ import torch.nn as nn
 
 memory = importlib.import_module("lessons.07_memory.main")  # lesson 07's technique
 tiny_gpt = importlib.import_module("lessons.07_memory.tiny_gpt")  # lesson 07's TinyGPT, markov_batches
-adam8bit = importlib.import_module("lessons.07_memory.adam8bit")  # lesson 07's Adam: Adam8bit
 
 
 def make_offload_model(config: dict, seed: int) -> tiny_gpt.TinyGPT:
@@ -61,7 +60,10 @@ def fixed_parameters(model: tiny_gpt.TinyGPT) -> list[nn.Parameter]:
 
 @dataclasses.dataclass
 class Slot:
-    """Where one parameter lives: chunk index, offset and element count inside the chunk."""
+    """Where one parameter lives: chunk index, offset and element count inside the chunk.
+    `master` (set by ChunkManager): the parameter-shaped view of its chunk that the optimizer
+    steps, on the device (persistent chunk) or in host memory; its `.grad` is a view of the
+    chunk's gradient in a step that produced one, else None (the optimizer skips it)."""
 
     param: nn.Parameter
     block: int
@@ -69,6 +71,7 @@ class Slot:
     offset: int
     numel: int
     shape: torch.Size
+    master: torch.Tensor | None = None
 
 
 def pack_chunks(blocks: nn.ModuleList, chunk_numel: int) -> tuple[list[Slot], list[int]]:
@@ -176,17 +179,24 @@ class OffloadConfig:
 
 
 class ChunkManager:
-    """Runs `model` with chunks [0, n_persist) on `device` and the rest in host memory.
+    """Runs `model` with chunks [0, n_persist) on `device` and the rest in host memory, and
+    steps it with `optimizer_class(params, **defaults)`: the contract of torch's
+    ZeroRedundancyOptimizer, with the model in place of params (the manager must own its
+    parameters to move them). Any torch.optim class works (Adam, AdamW, SGD with momentum...).
 
-    Device memory: the fixed parameters, persistent chunks (weights, gradients, Adam m and v),
-    `n_buffers` chunk buffers, activations. Host memory (pinned on a GPU box): offloaded chunks'
-    weights, gradients and Adam states. Optimizer: lesson 07's Adam (bitwise equal to
-    torch.optim.Adam), one on the device and one on the host, over flat chunk tensors (Adam is
-    element-wise). `phase(name)` and `observe(name)` are no-ops a profiler may replace (the
-    checks put lesson 07's tracker there)."""
+    Device memory: the fixed parameters, persistent chunks (weights, gradients, optimizer
+    states), `n_buffers` chunk buffers, activations. Host memory: offloaded chunks' weights
+    (pinned on a GPU box: the source of the non-blocking fetches), their gradients and the host
+    optimizer's states (pageable). Two optimizer instances, one on the device (fixed
+    parameters and persistent chunks) and one on the host, each over parameter-shaped views
+    of the chunks (`Slot.master`), so a parameter without a gradient in a step (frozen, or
+    unused) is skipped exactly as torch skips it, and an optimizer that is not element-wise
+    sees each parameter's shape. `phase(name)` and `observe(name)` are no-ops a profiler may
+    replace (the checks put lesson 07's tracker there)."""
 
     def __init__(self, model: tiny_gpt.TinyGPT, config: OffloadConfig, chunk_numel: int,
-                 lr: float = 1e-3, device: str = "cpu", n_buffers: int | None = None) -> None:
+                 optimizer_class: type[torch.optim.Optimizer] = torch.optim.Adam, *,
+                 device: str = "cpu", n_buffers: int | None = None, **defaults) -> None:
         self.model, self.config, self.device = model, config, torch.device(device)
         self.slots, self.used = pack_chunks(model.layers, chunk_numel)
         self.block_chunks = chunks_of_block(self.slots, len(model.layers))
@@ -202,13 +212,14 @@ class ChunkManager:
             flat = torch.zeros(numel, device=self.device if on_device else "cpu",
                                pin_memory=pin and not on_device)
             self.flat.append(flat)
-            self.grad.append(torch.zeros_like(flat))
-            flat.grad = self.grad[-1]
+            self.grad.append(torch.zeros_like(flat))  # pageable: _grad_ready's .to() blocks
         for slot in self.slots:  # move each weight into its chunk
-            self.flat[slot.chunk][slot.offset:slot.offset + slot.numel].copy_(slot.param.data.reshape(-1))
-            slot.param.data = (self._view(self.flat[slot.chunk], slot) if slot.chunk < config.n_persist
+            slot.master = self._view(self.flat[slot.chunk], slot)
+            slot.master.copy_(slot.param.data)
+            slot.param.data = (slot.master if slot.chunk < config.n_persist
                                else torch.empty(0, device=self.device))
-            slot.param.register_post_accumulate_grad_hook(self._grad_ready)
+            if slot.param.requires_grad:  # a frozen parameter never gets a gradient
+                slot.param.register_post_accumulate_grad_hook(self._grad_ready)
         self.slot_of = {id(slot.param): slot for slot in self.slots}
         self.slots_in_chunk = [[s for s in self.slots if s.chunk == c] for c in range(n_chunks)]
         if n_buffers is None:  # a block's offloaded chunks plus one to prefetch the next block's
@@ -217,11 +228,10 @@ class ChunkManager:
         self.buffers = [torch.zeros(chunk_numel, device=self.device) for _ in range(n_buffers)]
         self.pool = BufferPool(n_buffers)
         self.chunk_in_buffer: dict[int, int] = {}
-        self.device_optimizer = adam8bit.Adam8bit(fixed_parameters(model) + self.flat[:config.n_persist],
-                                                  lr=lr, min_8bit_numel=math.inf)
-        host_params = self.flat[config.n_persist:]
-        self.host_optimizer = (adam8bit.Adam8bit(host_params, lr=lr, min_8bit_numel=math.inf)
-                               if host_params else None)
+        persistent = [s.master for s in self.slots if s.chunk < config.n_persist]
+        self.device_optimizer = optimizer_class(fixed_parameters(model) + persistent, **defaults)
+        host = [s.master for s in self.slots if s.chunk >= config.n_persist]
+        self.host_optimizer = optimizer_class(host, **defaults) if host else None
         model.recompute = set(range(config.n_checkpoint))
         for index, block in enumerate(model.layers):  # fetch before forward and before backward
             block.register_forward_pre_hook(lambda _m, _a, index=index: self.fetch_block(index))
@@ -243,8 +253,9 @@ class ChunkManager:
         the next block's first missing chunk (next: block + 1 in forward, block - 1 in backward,
         recomputation included), as `access_plan` says. For each chunk the pool fetched: the
         chunk that held that buffer is evicted (its weights become empty tensors, so a use of
-        them fails loudly), the chunk is copied host -> device (non-blocking from pinned memory),
-        and its weights become views into the buffer."""
+        them fails loudly), the chunk's used elements are copied host -> device into the start
+        of the buffer (non-blocking from pinned memory, but on the current stream, so the copy
+        overlaps no kernel: README), and its weights become views into the buffer."""
         direction = -1 if self.in_backward else 1
         for chunks, keep in access_plan(self.block_chunks, self.config.n_persist, block, direction,
                                         self.pool):
@@ -288,16 +299,19 @@ class ChunkManager:
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         """A block weight's gradient is complete: add it into its chunk's gradient (device, or
-        host: a device-to-host copy) and free it on the device."""
+        host: a blocking device-to-host copy), hand that view to the optimizer as the
+        master's .grad, and free the device copy."""
         slot = self.slot_of[id(param)]
-        target = self.grad[slot.chunk][slot.offset:slot.offset + slot.numel]
-        target.add_(param.grad.reshape(-1).to(target.device))
+        target = self._view(self.grad[slot.chunk], slot)
+        target.add_(param.grad.to(target.device))
+        slot.master.grad = target
         param.grad = None
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """One training step: forward and backward with chunks fetched on demand, the device
-        Adam, the host Adam, then every resident copy is stale (the host weights changed).
-        observe() is called at the end of forward, of backward and of the optimizer steps."""
+        optimizer, the host optimizer, then every resident copy is stale (the host weights
+        changed). observe() is called at the end of forward, of backward and of the optimizer
+        steps."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             with self.phase("forward"):
                 loss = self.model.loss(tokens, targets)
@@ -319,6 +333,8 @@ class ChunkManager:
         self.observe("step_peak")
         for grad in self.grad:
             grad.zero_()
+        for slot in self.slots:  # the next step's gradients decide who is stepped
+            slot.master.grad = None
         for param in fixed_parameters(self.model):
             param.grad = None
         for chunk in list(self.chunk_in_buffer):

@@ -193,15 +193,17 @@ def chunk_rows(tensor: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 class Collectives:
-    """The two collectives the projections use, counted, so batching can be seen."""
+    """The two collectives the projections use, over `group` (the ranks the factors' rows are
+    split over, as FSDP2's shard group; None: the world), counted, so batching can be seen."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group
         self.all_reduces = 0
         self.all_gathers = 0
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self.all_reduces += 1
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.group)
         return tensor
 
     # exercise sharded-v (4 points): The sharded V side: all-gather V_high, not all-reduce
@@ -211,18 +213,20 @@ class Collectives:
     def all_gather_rows(self, local: torch.Tensor, total_rows: int) -> torch.Tensor:
         """Every rank's dim-0 chunk, concatenated: pad to the chunk size, gather, trim.
 
-        local (n_r, ...): this rank's `chunk_rows` chunk of a (total_rows, ...) tensor (n_r may
-        be 0; torch.chunk semantics: chunks of ceil(total_rows / p) rows, trailing ones shorter
-        or empty). dist.all_gather needs equal shapes, so pad every chunk to ceil(total_rows / p)
-        rows, gather, concatenate in rank order and drop the padding: returns the whole
-        (total_rows, ...) tensor on every rank. Counts one all-gather in `self.all_gathers`."""
+        local (n_r, ...): this rank's `chunk_rows` chunk of a (total_rows, ...) tensor split over
+        the p ranks of `self.group` (chunk index = this rank's rank in the group; n_r may be 0;
+        torch.chunk semantics: chunks of ceil(total_rows / p) rows, trailing ones shorter or
+        empty). dist.all_gather needs equal shapes, so pad every chunk to ceil(total_rows / p)
+        rows, gather over the group, concatenate in group-rank order and drop the padding:
+        returns the whole (total_rows, ...) tensor on every rank of the group. Counts one
+        all-gather in `self.all_gathers`."""
         self.all_gathers += 1
-        world = dist.get_world_size()
+        world = dist.get_world_size(self.group)
         chunk = -(-total_rows // world)
         padded = local.new_zeros((chunk, *local.shape[1:]))
         padded[: local.shape[0]] = local
         pieces = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(pieces, padded)
+        dist.all_gather(pieces, padded, group=self.group)
         return torch.cat(pieces)[:total_rows]
 
 
@@ -230,7 +234,8 @@ class Collectives:
 # hint: U_high_local^T dU_local is a partial sum over this rank's rows: comm.all_reduce it, then
 #   project the local rows. Batched: flatten + torch.cat, one all-reduce, split in the same order.
 def sharded_project_u(d_u_local: torch.Tensor, u_high_local: torch.Tensor, comm: Collectives) -> torch.Tensor:
-    """`project_u_factored` with the N rows of dU and U_high split across p ranks.
+    """`project_u_factored` with the N rows of dU and U_high split across the p ranks of
+    `comm.group` (the world when it is None).
 
     d_u_local (n_r, k_l), u_high_local (n_r, k_h): this rank's rows (n_r may be 0). The
     contraction U_high^T dU runs over N, the sharded dimension, so each rank's
@@ -280,7 +285,8 @@ def sharded_project_v_wrong(d_v_local: torch.Tensor, v_high_local: torch.Tensor,
 # exercise sharded-v (continued)
 def sharded_project_v(d_v_local: torch.Tensor, v_high_local: torch.Tensor, comm: Collectives,
                       k_high: int) -> torch.Tensor:
-    """`project_v_factored` with the rows (singular directions) of dV and V_high split.
+    """`project_v_factored` with the rows (singular directions) of dV and V_high split across
+    the ranks of `comm.group`.
 
     d_v_local (l_r, M), v_high_local (h_r, M): this rank's rows; M is whole on every rank.
     This rank's rows of the projection need dV_local V_high^T with ALL k_h rows of V_high, so

@@ -29,6 +29,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 from pathlib import Path
@@ -122,9 +123,12 @@ class TestAtomicWrite(TmpDir):
         self.assertEqual(len(renames), 1, f"exactly one os.replace expected: {events}")
         at = renames[0]
         _, inode, src, dst = events[at]
-        self.assertEqual(Path(dst), target)
+        self.assertEqual(Path(dst), target, "the rename's target")
         self.assertEqual(Path(src).parent, target.parent,
                          "the temporary file must be in the same directory (same filesystem)")
+        self.assertEqual(Path(src).name, f".{target.name}.tmp-{os.getpid()}-{threading.get_ident()}",
+                         "the temporary name must be unique per process and thread (asynchronous "
+                         "saves write from threads)")
         synced = [event for event in events[:at] if event[:2] == ("fsync file", inode)]
         self.assertTrue(synced, f"the temporary file was not fsynced before the rename: {events}")
         self.assertEqual(synced[-1][2], len(data), "fsynced before the bytes were flushed to it")
@@ -136,7 +140,28 @@ class TestAtomicWrite(TmpDir):
         watched = _WatchedOs()
         with mock.patch.object(F, "os", watched):
             F.fsync_directory(self.dir)
-        self.assertIn(("fsync dir", self.dir.stat().st_ino), [e[:2] for e in watched.events])
+        self.assertIn(("fsync dir", self.dir.stat().st_ino), [e[:2] for e in watched.events],
+                      f"fsync_directory({self.dir}) did not fsync the directory: {watched.events}")
+
+    def test_fsync_directory_closes_its_descriptor_even_when_fsync_fails(self):
+        opened, closed = [], []
+
+        class FailingOs(_WatchedOs):
+            def open(self, *args, **kwargs):
+                fd = os.open(*args, **kwargs)
+                opened.append(fd)
+                return fd
+
+            def close(self, fd):
+                closed.append(fd)
+                os.close(fd)
+
+            def fsync(self, fd):
+                raise OSError(5, "Input/output error (injected)")
+        with mock.patch.object(F, "os", FailingOs()), self.assertRaises(OSError):
+            F.fsync_directory(self.dir)
+        self.assertEqual((len(opened), closed), (1, opened),
+                         "fsync_directory leaked its directory descriptor when fsync raised")
 
     def test_leaves_the_old_file_on_a_crash_before_the_rename(self):
         target = self.dir / "f"
@@ -176,12 +201,15 @@ def load_plainly(ckpt: Path, world, reshard, fingerprint) -> tuple[dict, list[di
 @exercise("commit")
 class TestCommit(TmpDir):
     def test_write_shard_writes_its_file_atomically_and_returns_its_entry(self):
-        calls = []
-        with mock.patch.object(M, "atomic_write_bytes", lambda p, d: calls.append((Path(p), d))):
-            entry = M.write_shard(self.dir, 1, 3, b"payload")
-        self.assertEqual(calls, [(self.dir / "shard-00001-of-00003.pt", b"payload")])
-        self.assertEqual(entry, {"name": "shard-00001-of-00003.pt", "rank": 1, "bytes": 7,
-                                 "sha256": hashlib.sha256(b"payload").hexdigest()})
+        for rank, payload in ((1, b"payload"), (2, b"")):  # an empty shard is still a shard
+            calls = []
+            with mock.patch.object(M, "atomic_write_bytes", lambda p, d: calls.append((Path(p), d))):
+                entry = M.write_shard(self.dir, rank, 3, payload)
+            name = f"shard-0000{rank}-of-00003.pt"
+            self.assertEqual(calls, [(self.dir / name, payload)], f"rank {rank} of 3: the write")
+            self.assertEqual(entry, {"name": name, "rank": rank, "bytes": len(payload),
+                                     "sha256": hashlib.sha256(payload).hexdigest()},
+                             f"rank {rank} of 3, {len(payload)} bytes: the manifest entry")
 
     def test_commit_writes_the_manifest_then_latest_then_rotates(self):
         ckpt, order = self.dir / "ck", []
@@ -203,14 +231,16 @@ class TestCommit(TmpDir):
                          "then rotation")
         manifest = json.loads((ckpt / M.step_dir_name(7) / M.MANIFEST).read_text())
         self.assertEqual(manifest, {"format_version": M.FORMAT_VERSION, "world_size": 2, "step": 7,
-                                    "fingerprint": "fp", "files": entries[::-1]})
-        self.assertEqual((ckpt / M.LATEST).read_text().strip(), "step-00000007")
+                                    "fingerprint": "fp", "files": entries[::-1]},
+                         "the manifest of step 7: entries sorted by rank")
+        self.assertEqual((ckpt / M.LATEST).read_bytes(), b"step-00000007\n",
+                         "latest holds the step directory's name and a newline")
 
     def test_a_crash_between_the_commit_steps_leaves_a_loadable_checkpoint(self):
         points = [p for p in C.SAVE_CRASH_POINTS if "rename" not in p]  # the renames: atomic-write
         with plain_writes():
             checks = C.crash_during_save_checks(self.dir, tuple(points), load=load_plainly)
-        self.assertEqual(len(checks), 3)
+        self.assertEqual(len(checks), 3, "crash points between the commit's writes")
         for check in checks:
             self.assertTrue(check.passed, f"{check.name}: {check.detail}")
 
@@ -219,20 +249,21 @@ class TestCommit(TmpDir):
         with plain_writes():
             for step in (10, 2, 30, 4):  # written out of order: file times disagree with steps
                 C.save_single(ckpt, step, keep=10)
-        self.assertEqual(M.committed_steps(ckpt), [2, 4, 10, 30])
+        self.assertEqual(M.committed_steps(ckpt), [2, 4, 10, 30], "committed steps")
         (ckpt / M.step_dir_name(99)).mkdir()  # uncommitted leftover, newer than everything
         (ckpt / M.step_dir_name(1)).mkdir()  # uncommitted leftover, older
         removed = M.rotate(ckpt, 2)
         kept = M.committed_steps(ckpt)
-        self.assertTrue(kept == [10, 30], f"rotate(keep=2) of steps [2, 4, 10, 30] (written in "
-                        f"the order 10, 2, 30, 4) kept {kept}: expected the newest two, [10, 30]")
-        self.assertEqual(removed, [2, 4])
-        self.assertFalse((ckpt / M.step_dir_name(1)).exists())
-        self.assertTrue((ckpt / M.step_dir_name(99)).exists())  # discard_newer_than's job
-        self.assertEqual(M.rotate(ckpt, 5), [])
-        self.assertEqual(M.committed_steps(ckpt), [10, 30])
-        self.assertEqual(M.discard_newer_than(ckpt, 30), [M.step_dir_name(99)])
-        with self.assertRaises(ValueError):
+        self.assertEqual(kept, [10, 30], f"rotate(keep=2) of steps [2, 4, 10, 30] (written in "
+                         f"the order 10, 2, 30, 4) kept {kept}: expected the newest two, [10, 30]")
+        self.assertEqual(removed, [2, 4], "rotate returns the removed committed steps, oldest first")
+        self.assertFalse((ckpt / M.step_dir_name(1)).exists(), "an older uncommitted leftover must go")
+        self.assertTrue((ckpt / M.step_dir_name(99)).exists(),
+                        "a newer uncommitted leftover must stay (discard_newer_than's job)")
+        self.assertEqual(M.rotate(ckpt, 5), [], "rotate(keep=5) with 2 committed removes nothing")
+        self.assertEqual(M.committed_steps(ckpt), [10, 30], "committed after rotate(keep=5)")
+        self.assertEqual(M.discard_newer_than(ckpt, 30), [M.step_dir_name(99)], "discard_newer_than(30)")
+        with self.assertRaises(ValueError, msg="rotate(keep=0) must be refused"):
             M.rotate(ckpt, 0)
 
 
@@ -318,58 +349,79 @@ class TestVerifiedLoad(TmpDir):
 
 @exercise("failure-safe-save")
 class TestCheckpointerAgreement(unittest.TestCase):
-    """Two saves through `Checkpointer` on 2 spawned ranks (one launch for the class), with the
-    shard writes and the commit replaced by recorders (tests/workers.py): only the agreement,
-    `_commit_everywhere`, is graded. A save that fails anywhere commits nothing, and every rank
-    raises the same CheckpointError naming the failing rank."""
+    """Two saves through `Checkpointer` on 3 spawned ranks (one launch for the class), on the
+    world (an odd size) and on the subgroup {1, 2} with rank 0 idle (`group=`: group rank 0,
+    who commits, is global rank 1), with the shard writes and the commit replaced by recorders
+    (tests/workers.py): only the agreement, `_commit_everywhere`, is graded. A save that fails
+    anywhere commits nothing, and every rank raises the same CheckpointError naming the
+    failing group rank."""
 
     @classmethod
     def setUpClass(cls):
         with tempfile.TemporaryDirectory() as tmp:
-            cls.per_rank = launch(W.checkpointer_votes, 2, (tmp,), device="cpu", timeout_s=90)
+            cls.per_rank = launch(W.checkpointer_votes, 3, (tmp,), device="cpu", timeout_s=120)
 
     def runs(self, failure):
-        for rank, results in enumerate(self.per_rank):
-            for run in results:
-                if run["failure"] == failure:
-                    yield rank, run
+        """(where, run) for every rank of every configuration (world of 3, subgroup {1, 2})."""
+        for layout in ("world", "subgroup"):
+            for rank, results in enumerate(self.per_rank):
+                for run in results[layout] or ():
+                    if run["failure"] == failure:
+                        where = (f"{layout} ({run['size']} ranks), global rank {rank} = group rank "
+                                 f"{run['group_rank']}, {'async' if run['async'] else 'sync'}")
+                        yield layout, where, run
 
-    def test_without_failures_rank_0_commits_every_save_with_every_rank(self):
-        for rank, run in self.runs(None):
-            with self.subTest(rank=rank, async_save=run["async"]):
-                self.assertEqual(run["errors"], [None, None])
-                expected = [{"step": step, "world": 2, "fingerprint": "fp", "keep": 2,
-                             "ranks": [0, 1]} for step in (1, 2)] if rank == 0 else []
-                self.assertEqual(run["commits"], expected, "only rank 0 commits, with every "
-                                 "rank's entry in rank order")
+    def test_the_subgroup_ran_on_its_ranks_only(self):
+        self.assertEqual([r["subgroup"] is None for r in self.per_rank], [True, False, False],
+                         "the subgroup {1, 2}: rank 0 idle, ranks 1 and 2 saving")
+        self.assertEqual(sorted({run["group_rank"] for r in self.per_rank[1:] for run in r["subgroup"]}),
+                         [0, 1], "group ranks of global ranks 1 and 2")
+
+    def test_without_failures_group_rank_0_commits_every_save_with_every_rank(self):
+        for layout, where, run in self.runs(None):
+            with self.subTest(where):
+                self.assertEqual(run["errors"], [None, None], f"{where}: no save may fail")
+                size = run["size"]
+                expected = [{"step": step, "world": size, "fingerprint": "fp", "keep": 2,
+                             "ranks": list(range(size))} for step in (1, 2)] if run["group_rank"] == 0 else []
+                self.assertEqual(run["commits"], expected, f"{where}: only group rank 0 commits, "
+                                 "with every group rank's entry in group-rank order and the group's size")
 
     def test_a_failed_write_on_any_rank_commits_nothing_and_every_rank_raises(self):
-        for fail_rank in (0, 1):
-            messages = set()
-            for rank, run in self.runs(f"rank {fail_rank}"):
-                with self.subTest(rank=rank, fail_rank=fail_rank, async_save=run["async"]):
-                    self.assertNotIn(2, [commit["step"] for commit in run["commits"]],
-                                     f"step 2 was committed although rank {fail_rank}'s write "
-                                     "failed")
-                    self.assertEqual(run["commits"], [{"step": 1, "world": 2, "fingerprint": "fp",
-                                                       "keep": 2, "ranks": [0, 1]}]
-                                     if rank == 0 else [])
-                    first, second = run["errors"]
-                    self.assertIsNone(first)
-                    self.assertIsNotNone(second, "the failed save was not reported on this rank")
-                    self.assertIn(f"{M.step_dir_name(2)}: not saved", second)
-                    self.assertIn(f"rank {fail_rank}: OSError", second)
-                    self.assertIn("latest and older checkpoints are untouched", second)
-                    messages.add((run["async"], second.split(M.step_dir_name(2))[-1]))
-            self.assertEqual(len(messages), 2, f"not the same message on every rank: {messages}")
+        for layout, size in (("world", 3), ("subgroup", 2)):
+            for fail_rank in range(size):
+                messages = set()
+                for _, where, run in self.runs(f"rank {fail_rank}"):
+                    if run["size"] != size:
+                        continue
+                    with self.subTest(where, fail_rank=fail_rank):
+                        self.assertNotIn(2, [commit["step"] for commit in run["commits"]],
+                                         f"{where}: step 2 was committed although group rank "
+                                         f"{fail_rank}'s write failed")
+                        self.assertEqual(run["commits"], [{"step": 1, "world": size, "fingerprint": "fp",
+                                                           "keep": 2, "ranks": list(range(size))}]
+                                         if run["group_rank"] == 0 else [],
+                                         f"{where}: the commits made (only step 1, by group rank 0)")
+                        first, second = run["errors"]
+                        self.assertIsNone(first, f"{where}: step 1 must succeed")
+                        self.assertIsNotNone(second, f"{where}: the failed save of step 2 was not "
+                                             f"reported on this rank (group rank {fail_rank} failed)")
+                        for fragment in (f"{M.step_dir_name(2)}: not saved", f"rank {fail_rank}: OSError",
+                                         "latest and older checkpoints are untouched"):
+                            self.assertIn(fragment, second, f"{where}: the error message")
+                        messages.add((run["async"], second.split(M.step_dir_name(2))[-1]))
+                self.assertEqual(len(messages), 2, f"{layout}, group rank {fail_rank} failing: not "
+                                 f"the same message on every rank: {messages}")
 
     def test_a_failed_commit_raises_on_every_rank(self):
-        for rank, run in self.runs("commit"):
-            with self.subTest(rank=rank, async_save=run["async"]):
+        for layout, where, run in self.runs("commit"):
+            with self.subTest(where):
                 self.assertEqual([commit["step"] for commit in run["commits"]],
-                                 [1] if rank == 0 else [])
-                self.assertIsNone(run["errors"][0])
-                self.assertIn("rank 0 (commit): OSError", run["errors"][1] or "no error raised")
+                                 [1] if run["group_rank"] == 0 else [],
+                                 f"{where}: commits made (step 2's commit fails)")
+                self.assertIsNone(run["errors"][0], f"{where}: step 1 must succeed")
+                self.assertIn("rank 0 (commit): OSError", run["errors"][1] or "no error raised",
+                              f"{where}: step 2's failed commit must be reported on every rank")
 
 
 # ============================================================================ exact-resume
@@ -441,16 +493,58 @@ class TestExactResume(unittest.TestCase):
             one_device.assert_called_once_with(torch.device("cuda", 3))
             every_device.assert_not_called()
 
+    def test_every_param_group_gets_its_own_lr_back_in_place(self):
+        def build():
+            params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))]
+            optimizer = torch.optim.SGD([{"params": params[:1], "lr": 0.1},
+                                         {"params": params[1:], "lr": 0.03}], lr=1.0)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer, [R.cosine_with_warmup(2, 8), R.cosine_with_warmup(4, 8)])
+            return optimizer, scheduler
+        optimizer, scheduler = build()
+        for _ in range(3):
+            optimizer.step()
+            scheduler.step()
+        want = [group["lr"] for group in optimizer.param_groups]
+        state = torch.load(io.BytesIO(M.serialize(R.exact_resume_state(
+            3, optimizer, scheduler, None, R.DataCursor(4, 2, 0)))), weights_only=True)
+        optimizer, scheduler = build()
+        groups, cursor = optimizer.param_groups, R.DataCursor(4, 2, 0)
+        self.assertEqual(R.restore_exact_resume_state(state, optimizer, scheduler, None, cursor), 3,
+                         "restore returns the saved step")
+        self.assertEqual([group["lr"] for group in optimizer.param_groups], want,
+                         "two param groups with their own base LR and schedule: each group's LR")
+        self.assertIs(optimizer.param_groups, groups, "restore must update the param groups in place")
+
+    def test_restore_rng_false_leaves_the_generators_alone(self):
+        saved = torch.load(io.BytesIO(M.serialize(R.exact_resume_state(
+            1, *self._tiny(), None, R.DataCursor(4, 2, 0)))), weights_only=True)
+        random.seed(123)
+        torch.manual_seed(123)
+        R.restore_exact_resume_state(saved, *self._tiny(), None, R.DataCursor(4, 2, 0),
+                                     restore_rng=False)
+        got = (random.random(), torch.rand(1).item())
+        random.seed(123)
+        torch.manual_seed(123)
+        self.assertEqual(got, (random.random(), torch.rand(1).item()),
+                         "restore_rng=False (resharding) must not touch Python's or torch's RNG")
+
+    @staticmethod
+    def _tiny():
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+
     def test_restore_refuses_a_different_number_of_param_groups(self):
         param = torch.nn.Parameter(torch.zeros(1))
         optimizer = torch.optim.SGD([param], lr=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         cursor = R.DataCursor(4, 2, 0)
         state = R.exact_resume_state(3, optimizer, scheduler, None, cursor)
-        self.assertEqual(set(state), {"step", "scheduler", "lr", "scaler", "cursor", "rng"})
-        self.assertIsNone(state["scaler"])
+        self.assertEqual(set(state), {"step", "scheduler", "lr", "scaler", "cursor", "rng"},
+                         "the keys of exact_resume_state")
+        self.assertIsNone(state["scaler"], "no scaler: None is saved")
         state["lr"] = [0.1, 0.2]
-        with self.assertRaises(ValueError):
+        with self.assertRaises(ValueError, msg="2 saved LRs for 1 param group must be refused"):
             R.restore_exact_resume_state(state, optimizer, scheduler, None, cursor)
 
 
@@ -479,7 +573,8 @@ class TestProtocolTogether(TmpDir):
 
     def test_the_damage_checks_refuse_a_checkpoint_our_commit_wrote(self):
         step_dir = C.save_single(self.dir / "ck", 5, keep=10, world=3)
-        self.assertTrue(all(check.passed for check in C.corrupt_and_expect(step_dir, self.dir, 3)))
+        failed = [f"{c.name}: {c.detail}" for c in C.corrupt_and_expect(step_dir, self.dir, 3) if not c.passed]
+        self.assertEqual(failed, [], "damaged copies of a checkpoint our commit wrote (3 ranks)")
 
     def test_export_round_trip_and_failures(self):
         tensors = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.float64)}
@@ -494,6 +589,20 @@ class TestProtocolTogether(TmpDir):
             F.verify_export(tensors, self.dir / "t.safetensors")
         check = C.empty_export_check(self.dir, T.TrainConfig(), tensors)
         self.assertTrue(check.passed, check.detail)
+
+    def test_reshard_sizes_no_world_divides_and_empty_shards(self):
+        for numel, saved, world in ((7, 3, 2), (2, 3, 5), (5, 4, 3), (0, 2, 3)):
+            full = torch.arange(float(numel))
+            slices = [full[slice(*T.zero.shard_bounds(numel, saved, r))] for r in range(saved)]
+            got = [R.reshard(slices, world, r) for r in range(world)]
+            self.assertEqual(torch.cat(got).tolist(), full.tolist(),
+                             f"{numel} elements saved by {saved} ranks, resharded to {world}")
+            self.assertEqual([g.numel() for g in got],
+                             [b - a for a, b in (T.zero.shard_bounds(numel, world, r) for r in range(world))],
+                             f"{numel} elements on {world} ranks: lesson 03's shard sizes (some empty)")
+
+    def test_save_time_from_bytes_and_bandwidth(self):
+        self.assertEqual(R.save_seconds(70e9, 14, 10e9), 98.0, "70B params x 14 B at 10 GB/s")
 
     def test_cursor_and_schedule(self):
         cursor = R.DataCursor(12, 4, 0)
@@ -540,7 +649,8 @@ class TestOnSpawnedRanks(unittest.TestCase):
     def test_3_to_2_and_3_to_1_equal_the_unsharded_reference(self):
         for result in [r["resumed"] for r in self.per_rank] + [self.unsharded]:
             self.assertEqual(result["resumed_from"], 3)
-            self.assertLess(max_abs_diff(result["params"], self.reference), C.RESHARD_TOLERANCE)
+            self.assertLess(max_abs_diff(result["params"], self.reference), C.RESHARD_TOLERANCE,
+                            f"resharded from 3 ranks (resumed at {result['resumed_from']}) vs one process")
         self.assertEqual(self.unsharded["saved_world"], 3)
 
     def test_a_failed_write_in_a_real_run_commits_nothing(self):
@@ -616,7 +726,7 @@ class TestDemo(unittest.TestCase):
         self.assertEqual(self.code, 0, failed)
         self.assertEqual(failed, [])
         names = [c["name"] for c in self.report["checks"]]
-        self.assertGreaterEqual(len(names), 28)
+        self.assertGreaterEqual(len(names), 28, f"the demo's checks: {names}")
         self.assertEqual(self.report["metrics"]["resumed_from_step"], 6)
         self.assertIn("resharded 2 -> 3 ranks == unsharded reference", names)
         self.assertIn("a failed write (rank 1, step 6, async, keep 1) commits nothing", names)
@@ -649,7 +759,7 @@ class TestDemo(unittest.TestCase):
                                            "--json", f"{tmp}/k.json")
             self.assertEqual(code, 0, stderr)
             got = json.loads(Path(f"{tmp}/k.json").read_text())["metrics"]
-        self.assertGreater(got["resumed_from_step"], 0)
+        self.assertGreater(got["resumed_from_step"], 0, "the killed run must have left a checkpoint to resume from")
         self.assertEqual(got["final_param_sha256"], expected)
 
     def test_under_torchrun_every_rank_shares_one_directory(self):
@@ -696,6 +806,11 @@ class TestDocNumbers(unittest.TestCase):
         wrong, right = C.lr_of_first_resumed_step(restore_lr=False)
         self.assertIn(f"{wrong:.4f} instead of {right:.4f}", self.readme)
 
+    def test_save_cost_at_scale(self):
+        self.assertIn(f"**{70e9 * 14 / 1e9:,.0f} GB**, **{R.save_seconds(70e9, 14, 10e9):.0f} s** at "
+                      "an aggregate 10 GB/s", self.readme)
+        self.assertIn("14 bytes per parameter (16-bit weights 2, fp32 master 4, m 4, v 4", self.readme)
+
     def test_checkpoint_interval(self):
         young = R.young_interval(60, 86400)
         daly = R.daly_interval(60, 86400)
@@ -706,7 +821,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"about {saves:.0f} saves", self.readme)
         self.assertIn(f"{100 * math.sqrt(2 * 60 / 86400):.1f}%", self.readme)
         for c, m, want, half_unit in C.DALY_EXAMPLES:
-            self.assertLessEqual(abs(R.daly_interval(c, m) - want), half_unit)
+            self.assertLessEqual(abs(R.daly_interval(c, m) - want), half_unit,
+                                 f"Daly's optimum for C={c}, M={m} min: {R.daly_interval(c, m):.2f}, paper {want}")
 
     def test_scaler_story(self):
         full, saved, skipped = C.scaler_run(torch.float16, {1: 96.0, 5: 48.0}, 10_000)

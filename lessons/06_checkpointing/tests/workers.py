@@ -9,6 +9,8 @@ import types
 from pathlib import Path
 from unittest import mock
 
+import torch.distributed as dist
+
 M = importlib.import_module("lessons.06_checkpointing.main")
 C = importlib.import_module("lessons.06_checkpointing.checks")
 T = importlib.import_module("lessons.06_checkpointing.trainer")
@@ -53,14 +55,30 @@ class _Trainer:
         return {"rank": self.rank, "step": self.step}
 
 
-def checkpointer_votes(ctx, ckpt_dir: str) -> list[dict]:
+# the subgroup the failure-safe save is also graded on: ranks {1, 2} of 3, global rank 0 idle
+# (so group rank 0, who commits, is not global rank 0)
+SUBGROUP = (1, 2)
+
+
+def checkpointer_votes(ctx, ckpt_dir: str) -> dict:
+    """The agreement graded on the world and on SUBGROUP (`Checkpointer(group=...)`):
+    {"world": votes(...), "subgroup": votes(...) on its ranks, None on the idle rank}."""
+    group = dist.new_group(list(SUBGROUP))  # every rank takes part in creating it
+    world = _votes(ctx, Path(ckpt_dir) / "world", None)
+    sub = _votes(ctx, Path(ckpt_dir) / "subgroup", group) if ctx.rank in SUBGROUP else None
+    dist.barrier()
+    return {"world": world, "subgroup": sub}
+
+
+def _votes(ctx, ckpt_dir: Path, group) -> list[dict]:
     """Two saves (steps 1 and 2) through `Checkpointer`, synchronous and asynchronous, for each
-    failure: none, the write of rank r at step 2, rank 0's commit at step 2. The shard writes
-    and the commit are recorders (main.py's write_shard and commit patched), so only the
-    agreement, `Checkpointer._commit_everywhere`, is graded. Per run: the commits this rank
-    made and the CheckpointError message (or None) of each step."""
+    failure: none, the write of group rank r at step 2, group rank 0's commit at step 2. The
+    shard writes and the commit are recorders (main.py's write_shard and commit patched), so
+    only the agreement, `Checkpointer._commit_everywhere`, is graded. Per run: the commits this
+    rank made and the CheckpointError message (or None) of each step."""
     results = []
-    for failure in [None, *[f"rank {r}" for r in range(ctx.world_size)], "commit"]:
+    size = dist.get_world_size(group)
+    for failure in [None, *[f"rank {r}" for r in range(size)], "commit"]:
         for async_save in (False, True):
             commits: list[dict] = []
 
@@ -77,9 +95,10 @@ def checkpointer_votes(ctx, ckpt_dir: str) -> list[dict]:
                 commits.append({"step": step, "world": world, "fingerprint": fingerprint,
                                 "keep": keep, "ranks": [entry.get("rank") for entry in entries]})
 
-            directory = Path(ckpt_dir) / f"{failure}-{async_save}".replace(" ", "")
-            checkpointer = M.Checkpointer(directory, keep=2, save_every=1, async_save=async_save)
-            trainer, errors = _Trainer(ctx.rank), []
+            directory = ckpt_dir / f"{failure}-{async_save}".replace(" ", "")
+            checkpointer = M.Checkpointer(directory, keep=2, save_every=1, async_save=async_save,
+                                          group=group)
+            trainer, errors = _Trainer(dist.get_rank(group)), []
             with mock.patch.object(M, "write_shard", write_shard), \
                     mock.patch.object(M, "commit", commit):
                 for step in (1, 2):
@@ -92,5 +111,5 @@ def checkpointer_votes(ctx, ckpt_dir: str) -> list[dict]:
                     except M.CheckpointError as exc:
                         errors.append(str(exc))
             results.append({"failure": failure, "async": async_save, "commits": commits,
-                            "errors": errors})
+                            "errors": errors, "group_rank": dist.get_rank(group), "size": size})
     return results

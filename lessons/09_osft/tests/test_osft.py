@@ -66,7 +66,8 @@ class TestSplit(unittest.TestCase):
         rebuilt = (parts["U_high"] * parts["S_high"]) @ parts["V_high"] + \
             (parts["U_low"] * parts["S_low"]) @ parts["V_low"]
         self.assertLess(max_abs_diff(rebuilt, weight), C.TOLERANCE)
-        self.assertTrue(bool(parts["S_high"].min() >= parts["S_low"].max()))
+        self.assertGreaterEqual(float(parts["S_high"].min()), float(parts["S_low"].max()),
+                                "every frozen singular value is at least every trainable one")
         eye = torch.eye(6, dtype=torch.float64)
         u = torch.cat([parts["U_high"], parts["U_low"]], dim=1)
         v = torch.cat([parts["V_high"], parts["V_low"]], dim=0)
@@ -78,7 +79,17 @@ class TestSplit(unittest.TestCase):
         self.assertEqual({k: tuple(v.shape) for k, v in parts.items()},
                          {"U_high": (5, 4), "S_high": (4,), "V_high": (4, 8),
                           "U_low": (5, 1), "S_low": (1,), "V_low": (1, 8)})
-        self.assertEqual(M.svd_split(torch.randn(4, 3), 0.5)["U_high"].dtype, torch.float32)
+
+    def test_every_part_keeps_the_weights_dtype(self):
+        weight = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))  # float32
+        parts = M.svd_split(weight, 0.4)
+        self.assertEqual({name: part.dtype for name, part in parts.items()},
+                         dict.fromkeys(parts, torch.float32), "every part in the weight's dtype")
+        rebuilt = (parts["U_high"] * parts["S_high"]) @ parts["V_high"] + \
+            (parts["U_low"] * parts["S_low"]) @ parts["V_low"]
+        # an fp32 product of 5 terms of size ~|W|: a few fp32 ulps of the largest entry
+        self.assertLess(max_abs_diff(rebuilt, weight), 1e-5 * float(weight.abs().max()),
+                        "the float32 parts rebuild the float32 weight")
 
     def test_frozen_parts_are_not_parameters(self):
         layer = M.OSFTLinear(nn.Linear(6, 9), 0.5)
@@ -190,48 +201,73 @@ class TestKernels(unittest.TestCase):
 
 U_SHAPES = [(6, 3, 3), (9, 3, 4), (16, 6, 6)]  # (N, k_high, k_low): empty tail chunks on 5 ranks
 V_SHAPES = [(6, 6, 10), (3, 4, 7), (5, 2, 9)]  # (k_high, k_low, M)
+# (world size, the ranks the rows are split over; None: the world). 3: odd; (1, 2, 3) of 4: an
+# odd subgroup that is not the world (rank 0 idles); (0, 2) of 3: a subgroup with a gap in it.
+SHARD_CONFIGS = [(2, None), (3, None), (5, None), (4, (1, 2, 3)), (3, (0, 2))]
+
+
+def where(world: int, members, rank: int) -> str:
+    return f"world {world}, rows split over {'every rank' if members is None else members}, rank {rank}"
 
 
 @exercise("sharded-u")
 class TestShardedU(unittest.TestCase):
-    """`sharded_project_u` and its batched form on 2 and 5 ranks (rows split with torch.chunk
-    semantics, empty tails on 5) against the one-process projection; one all-reduce per module,
-    ONE for the batch."""
+    """`sharded_project_u` and its batched form on 2, 3 and 5 ranks and on subgroups (rows split
+    with torch.chunk semantics over the group, empty tails on 5) against the one-process
+    projection; one all-reduce (over the group) per module, ONE for the batch. The first
+    configuration that fails ends the test (a hang costs one deadline, not one per config)."""
 
-    def test_on_2_and_5_ranks(self):
-        for world in (2, 5):
-            results = launch(W.sharded_u, world, (U_SHAPES,), device="cpu", timeout_s=60)
+    def test_on_worlds_and_subgroups(self):
+        for world, members in SHARD_CONFIGS:
+            results = launch(W.sharded_u, world, (U_SHAPES, members), device="cpu", timeout_s=60)
             for rank, result in enumerate(results):
-                with self.subTest(world=world, rank=rank):
-                    self.assertLess(max(result["gaps"]), C.TOLERANCE, "per module")
-                    self.assertEqual(result["per_module"], len(U_SHAPES), "all-reduces, one per module")
-                    self.assertEqual(result["batched_count"], len(U_SHAPES))
-                    self.assertLess(max(result["batch_gaps"]), C.TOLERANCE, "batched")
-                    self.assertEqual(result["batched_calls"], 1, "all-reduces for the whole batch")
+                config = where(world, members, rank)
+                if members is not None and rank not in members:
+                    self.assertEqual(result, {"idle": True}, config)
+                    continue
+                self.assertLess(max(result["gaps"]), C.TOLERANCE,
+                                f"{config}: max |projected rows - one process| per module: {result['gaps']}")
+                self.assertEqual(result["per_module"], len(U_SHAPES),
+                                 f"{config}: all-reduces, one per module")
+                self.assertEqual(result["batched_count"], len(U_SHAPES),
+                                 f"{config}: modules the batch returned")
+                self.assertLess(max(result["batch_gaps"]), C.TOLERANCE,
+                                f"{config}: max |batched rows - one process| per module: "
+                                f"{result['batch_gaps']}")
+                self.assertEqual(result["batched_calls"], 1, f"{config}: all-reduces for the whole batch")
 
 
 @exercise("sharded-v")
 class TestShardedV(unittest.TestCase):
-    """`Collectives.all_gather_rows` and `sharded_project_v` on 2 and 5 ranks against the
-    one-process projection. The V side must not all-reduce: on 2 ranks with equal blocks a
-    plain Collectives shows the numbers are wrong; with uneven blocks the test's Collectives
-    refuses all_reduce on every rank (an all-reduce of different shapes would hang gloo)."""
+    """`Collectives.all_gather_rows` and `sharded_project_v` on 2, 3 and 5 ranks and on
+    subgroups against the one-process projection. The V side must not all-reduce: on 2 ranks
+    with equal blocks a plain Collectives shows the numbers are wrong; with uneven blocks the
+    test's Collectives refuses all_reduce on every rank (an all-reduce of different shapes
+    would hang gloo). The first configuration that fails ends the test."""
 
-    def check(self, results, shapes):
+    def check(self, results, shapes, members=None):
         for rank, result in enumerate(results):
-            with self.subTest(world=len(results), rank=rank):
-                self.assertTrue(result["gather_ok"], "all_gather_rows: the whole tensor, in order")
-                self.assertEqual(result["gather_calls"], 1, "all_gather_rows counts one all-gather")
-                self.assertEqual(result["all_reduces"], 0, "the V side all-reduced")
-                self.assertLess(max(result["gaps"]), C.TOLERANCE)
-                self.assertEqual(result["all_gathers"], 1 + len(shapes))
+            config = where(len(results), members, rank)
+            if members is not None and rank not in members:
+                self.assertEqual(result, {"idle": True}, config)
+                continue
+            self.assertTrue(result["gather_ok"], f"{config}: all_gather_rows must return the whole 7 x 3 "
+                                                 f"tensor, chunks in group-rank order")
+            self.assertEqual(result["gather_calls"], 1, f"{config}: all_gather_rows counts one all-gather")
+            self.assertEqual(result["all_reduces"], 0, f"{config}: the V side all-reduced")
+            self.assertLess(max(result["gaps"]), C.TOLERANCE,
+                            f"{config}: max |projected rows - one process| per module: {result['gaps']}")
+            self.assertEqual(result["all_gathers"], 1 + len(shapes),
+                             f"{config}: all-gathers, 1 + one per module")
 
     def test_equal_blocks_on_2_ranks(self):
         shapes = [(6, 6, 10), (4, 2, 8)]
         self.check(launch(W.sharded_v, 2, (shapes, False), device="cpu", timeout_s=60), shapes)
 
-    def test_uneven_blocks_on_5_ranks(self):
-        self.check(launch(W.sharded_v, 5, (V_SHAPES, True), device="cpu", timeout_s=60), V_SHAPES)
+    def test_uneven_blocks_on_worlds_and_subgroups(self):
+        for world, members in SHARD_CONFIGS[1:]:
+            results = launch(W.sharded_v, world, (V_SHAPES, True, members), device="cpu", timeout_s=60)
+            self.check(results, V_SHAPES, members)
 
 
 class TestCostModel(unittest.TestCase):
@@ -263,7 +299,8 @@ class TestSharded(unittest.TestCase):
         rows = torch.arange(6.0).view(6, 1)
         self.assertEqual([M.chunk_rows(rows, r, 4).shape[0] for r in range(4)], [2, 2, 2, 0])
         self.assertEqual([M.chunk_rows(rows, r, 5).shape[0] for r in range(5)], [2, 2, 2, 0, 0])
-        self.assertTrue(torch.equal(torch.cat([M.chunk_rows(rows, r, 4) for r in range(4)]), rows))
+        self.assertEqual(torch.cat([M.chunk_rows(rows, r, 4) for r in range(4)]).flatten().tolist(),
+                         rows.flatten().tolist(), "the chunks, in rank order, are the rows")
 
     def test_every_sharded_check_on_1_2_5_ranks(self):  # 4 ranks: TestDocNumbers and the demo
         results = {world: launch(W.sharded, world, device="cpu", timeout_s=45) for world in (1, 2, 5)}
@@ -273,7 +310,8 @@ class TestSharded(unittest.TestCase):
     def test_all_reduce_benchmark_runs(self):
         cases = launch(W.all_reduce_bench, 2, device="cpu", timeout_s=60)[0]
         self.assertEqual([(c["modules"], c["numel"]) for c in cases], [(4, 64), (2, 256)])
-        self.assertTrue(all(c["per_module_s"] > 0 and c["batched_s"] > 0 for c in cases))
+        self.assertTrue(all(c["per_module_s"] > 0 and c["batched_s"] > 0 for c in cases),
+                        f"every timing positive: {cases}")
 
 
 class TestDocNumbers(unittest.TestCase):

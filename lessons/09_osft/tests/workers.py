@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+import torch.distributed as dist
 
 from lessons._checks import max_abs_diff
 
@@ -49,18 +50,32 @@ def _u_modules(shapes):
     return modules
 
 
-def sharded_u(ctx, shapes) -> dict:
-    """`sharded_project_u` per module and batched on this rank's chunks against one process."""
+def shard_group(ctx, members):
+    """(group, rank in it, its size) for the ranks `members` (None: the world, group None).
+    Every rank creates the group (torch requires it); a rank outside it gets (None, -1, 0)."""
+    if members is None:
+        return None, ctx.rank, ctx.world_size
+    group = dist.new_group(members)
+    if ctx.rank not in members:
+        return None, -1, 0
+    return group, dist.get_rank(group), len(members)
+
+
+def sharded_u(ctx, shapes, members=None) -> dict:
+    """`sharded_project_u` per module and batched on this rank's chunks against one process,
+    the rows split over `members` (a subgroup; None: the world). Ranks outside it idle."""
+    group, rank, world = shard_group(ctx, members)
+    if world == 0:
+        return {"idle": True}
     modules = _u_modules(shapes)
-    rank, world = ctx.rank, ctx.world_size
 
     def chunk(tensor):
         return M.chunk_rows(tensor, rank, world)
-    comm = M.Collectives()
+    comm = M.Collectives(group)
     gaps = [_gap(M.sharded_project_u(chunk(d_u), chunk(u_high), comm), chunk(want))
             for d_u, u_high, want in modules]
     per_module = comm.all_reduces
-    comm = M.Collectives()
+    comm = M.Collectives(group)
     batched = M.sharded_project_u_batched([(chunk(d_u), chunk(u_high)) for d_u, u_high, _ in modules], comm)
     batch_gaps = [_gap(b, chunk(want)) for b, (_, _, want) in zip(batched, modules)]
     return {"gaps": gaps, "per_module": per_module, "batch_gaps": batch_gaps,
@@ -76,12 +91,15 @@ class _NoAllReduce(M.Collectives):
                              "is a different block of the coefficients, not a partial sum")
 
 
-def sharded_v(ctx, shapes, strict: bool) -> dict:
+def sharded_v(ctx, shapes, strict: bool, members=None) -> dict:
     """`Collectives.all_gather_rows` on a known tensor, then `sharded_project_v` per module on
-    this rank's chunks against one process. strict: all_reduce raises (see _NoAllReduce)."""
-    rank, world = ctx.rank, ctx.world_size
+    this rank's chunks against one process, the rows split over `members` (None: the world;
+    ranks outside idle). strict: all_reduce raises (see _NoAllReduce)."""
+    group, rank, world = shard_group(ctx, members)
+    if world == 0:
+        return {"idle": True}
     generator = torch.Generator().manual_seed(11)
-    comm = _NoAllReduce() if strict else M.Collectives()
+    comm = _NoAllReduce(group) if strict else M.Collectives(group)
     rows = torch.arange(7 * 3, dtype=torch.float64).view(7, 3)
     gathered = comm.all_gather_rows(M.chunk_rows(rows, rank, world), 7)
     gather_ok = tuple(gathered.shape) == (7, 3) and bool(torch.equal(gathered, rows))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import re
 import shutil
 import tempfile
 import unittest
@@ -22,7 +21,7 @@ from unittest import mock
 
 import torch
 
-from lessons._checks import fingerprint
+from lessons._checks import fingerprint, max_abs_diff
 from lessons._launch import WorkerError, one_thread
 from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
@@ -85,8 +84,21 @@ class TestBlockLoss(unittest.TestCase):
     def test_differentiable_in_the_student_output(self):
         y, t = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
         M.normalized_mse(y, t).backward()
-        self.assertTrue(torch.allclose(y.grad, 2 * (y - t).detach() / ((t ** 2).sum() + M.EPS)))
+        want = 2 * (y - t).detach() / ((t ** 2).sum() + M.EPS)
+        self.assertTrue(torch.allclose(y.grad, want),
+                        f"d loss / d y: expected 2 (y - t) / (sum t^2 + eps), max gap "
+                        f"{max_abs_diff(y.grad, want):.3g}")
         self.assertEqual(float(M.normalized_mse(torch.zeros(3), torch.zeros(3))), 0.0)  # eps: no 0/0
+
+    def test_a_zero_denominator_gives_a_large_positive_loss(self):
+        """A student that outputs something where the teacher outputs nothing (t = 0), or where
+        the teacher block changes nothing (t = x): the loss is sum((y - t)^2) / eps, positive
+        and finite, never negative or infinite."""
+        y, zero = torch.tensor([1.0, -2.0]), torch.zeros(2)
+        for name, loss in (("normalized_mse(y, 0)", M.normalized_mse(y, zero)),
+                           ("block_change_mse(y, x, t = x)", M.block_change_mse(y, zero, zero))):
+            self.assertTrue(torch.isfinite(loss) and float(loss) > 0, f"{name} = {float(loss)}")
+            self.assertAlmostEqual(float(loss) * M.EPS, 5.0, places=3, msg=f"{name} x eps")
 
 
 @exercise("distill-step")
@@ -107,7 +119,8 @@ class TestDistillStep(unittest.TestCase):
             self.assertTrue(torch.allclose(a, b, atol=1e-6), name)
         self.assertEqual(mine[2].last_epoch, 3)
         self.assertEqual(mine[1].param_groups[0]["lr"], ref[1].param_groups[0]["lr"])
-        self.assertTrue(torch.equal(mine[3], x0) and torch.equal(mine[4], t0))
+        self.assertTrue(torch.equal(mine[3], x0) and torch.equal(mine[4], t0),
+                        "distill_step changed its input x or its target t (it must only read them)")
 
 
 class TestPieces(TempDirCase):
@@ -136,13 +149,15 @@ class TestPieces(TempDirCase):
         teacher = M.make_teacher(TEACHER)
         mlp1 = M.make_student_block("mlp1", teacher.layers[0], 32, 2)
         self.assertEqual(mlp1.up.weight.shape, (32, 32))
-        self.assertTrue(torch.equal(mlp1.qkv.weight, teacher.layers[0].qkv.weight))
-        self.assertTrue(torch.equal(mlp1.up.weight, teacher.layers[0].up.weight[:32]))
+        self.assertTrue(torch.equal(mlp1.qkv.weight, teacher.layers[0].qkv.weight),
+                        "the student keeps the teacher's attention weights")
+        self.assertTrue(torch.equal(mlp1.up.weight, teacher.layers[0].up.weight[:32]),
+                        "the student's MLP starts from the teacher's first 32 rows")
         self.assertLess(M.params_of(mlp1), M.params_of(teacher.layers[0]))
         self.assertEqual(M.params_of(teacher.layers[0]), M.teacher_block_params(32))
         linear = M.make_student_block("linear", teacher.layers[0], 32, 2)
         x = torch.randn(16, 4, 32)
-        self.assertTrue(torch.equal(linear(x), x))  # the identity at initialisation
+        self.assertTrue(torch.equal(linear(x), x), "the linear student is the identity at initialisation")
         with self.assertRaisesRegex(ValueError, "unknown student block kind"):
             M.make_student_block("wide", teacher.layers[0], 32, 2)
 
@@ -160,6 +175,73 @@ class TestPieces(TempDirCase):
             self.assertEqual(len(calls), run.steps * M.teacher_block_forwards(4, world)["ours"], world)
         self.assertEqual(M.teacher_block_forwards(4, 2), {"ours": 7, "per_block_prefix": 10, "pipelined": 4})
         self.assertEqual(M.teacher_block_forwards(4, 1)["ours"], 4)
+
+
+@exercise("resumable-block")
+class TestTrainBlockAgainstAReference(TempDirCase):
+    """`train_block` from scratch against the loop its docstring describes, written here with
+    plain torch (AdamW at run.lr, warmup + cosine, the students' batch stream 1, block i's input
+    states[i] and target states[i + 1]): the same losses, bitwise, and the same weights. 13
+    steps saved every 5: the last save (13) is not a multiple of the cadence, and the mean of
+    the last 10 losses is not the mean of losses[10:]. Both blocks: the first (index 0) and the
+    last (index 1), so an index off by one shows."""
+
+    RUN13 = dataclasses.replace(RUN, steps=13, save_every=5)
+
+    def setUp(self):
+        super().setUp()
+        self.enterContext(mock.patch.object(M, "distill_step", reference_distill_step))
+        self.teacher = M.train_teacher(TEACHER)
+
+    def reference(self, index: int) -> tuple[list[float], str]:
+        run = self.RUN13
+        block = R.initial_block(run, self.teacher, index)
+        optimizer = torch.optim.AdamW(block.parameters(), lr=run.lr)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, R.checkpointing.cosine_with_warmup(run.warmup, run.steps))
+        data = M.batches(run.teacher, run.steps, 1)
+        losses = []
+        for step in range(run.steps):
+            states = M.teacher_block_io(self.teacher, data[step][0])
+            x, t = states[index], states[index + 1]
+            losses.append(reference_distill_step(block, optimizer, scheduler, x, t))
+        return losses, R.tensor_digest(block.state_dict())
+
+    def test_a_fresh_run_is_the_described_loop(self):
+        run = self.RUN13
+        for index in range(TEACHER.layers):
+            forwards, calls = [], []
+            count = forwards.append
+            hooks = [layer.register_forward_hook(lambda *_, count=count: count(1))
+                     for layer in self.teacher.layers]
+            try:
+                got = R.train_block(run, self.dir, index, self.teacher, after_step=calls.append)
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            want_losses, want_digest = self.reference(index)
+            where = f"block {index} of {TEACHER.layers}, {run.steps} steps"
+            self.assertEqual(sorted(got),
+                             ["block", "final_loss", "losses", "resumed_from", "sha256", "status"],
+                             f"{where}: the keys train_block returns")
+            self.assertEqual((got["block"], got["status"], got["resumed_from"]), (index, "trained", 0), where)
+            self.assertEqual(got["losses"], want_losses, f"{where}: every step's loss against the loop")
+            self.assertEqual(got["sha256"], want_digest, f"{where}: the trained block's weights")
+            self.assertEqual(got["final_loss"], sum(want_losses[-10:]) / 10, f"{where}: mean of the last 10")
+            self.assertEqual(calls, list(range(1, run.steps + 1)),
+                             f"{where}: after_step(step) gets the number of steps done so far")
+            self.assertEqual(len(forwards), run.steps * (index + 1),
+                             f"{where}: teacher block forwards (block i costs i + 1 per step, no more)")
+            directory = R.block_dir(self.dir, index)
+            self.assertEqual((directory / "latest").read_text(), f"step-{run.steps:06d}.pt",
+                             f"{where}: the last checkpoint is the final step's (saved at the end too)")
+            done = json.loads((directory / "done.json").read_text())
+            self.assertEqual((done["sha256"], done["losses"]), (want_digest, want_losses),
+                             f"{where}: done.json")
+            again = R.train_block(run, self.dir, index, self.teacher)
+            self.assertEqual((again["block"], again["status"], again["sha256"]),
+                             (index, "skipped", want_digest),
+                             f"{where}: a finished block is skipped and reports its result")
 
 
 class TestResume(TempDirCase):
@@ -222,11 +304,13 @@ def uninterrupted_digests(run) -> dict[int, str]:
 
 
 class TestParallel(TempDirCase):
-    def test_two_ranks_train_the_same_blocks_as_one_process(self):
-        two = C.sweep([C.job(self.dir / "two", RUN)], self.dir, 2, 120)
-        self.assertEqual([b["block"] for rank in two for b in rank[0]["blocks"]], [0, 1])
-        self.assertEqual({b["block"]: b["sha256"] for rank in two for b in rank[0]["blocks"]},
-                         uninterrupted_digests(RUN))
+    def test_three_ranks_train_the_same_blocks_as_one_process(self):
+        """3 ranks (odd), 2 blocks: rank 2 owns none (round robin) and must still finish."""
+        three = C.sweep([C.job(self.dir / "three", RUN)], self.dir, 3, 120)
+        self.assertEqual([[b["block"] for b in rank[0]["blocks"]] for rank in three], [[0], [1], []],
+                         "blocks per rank (round robin over 3 ranks)")
+        self.assertEqual({b["block"]: b["sha256"] for rank in three for b in rank[0]["blocks"]},
+                         uninterrupted_digests(RUN), "each block's weights against one process")
 
     def test_sigkill_then_resume_equals_uninterrupted(self):
         """A real SIGKILL of the one rank after block 0's step 15 (the launcher reports it; block
@@ -317,7 +401,7 @@ class TestDocNumbers(unittest.TestCase):
             self.assertIn(f"**{count:,}**", readme)
         self.assertIn(f"{self.metrics['export_bytes']:,} B", readme)
         forwards = self.metrics["teacher_block_forwards"]
-        self.assertTrue(re.search(rf"\b{forwards['ours']} teacher block forwards per step", readme))
+        self.assertRegex(readme, rf"\b{forwards['ours']} teacher block forwards per step")
 
 
 class TestCommandLine(TempDirCase):
