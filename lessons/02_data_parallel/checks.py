@@ -189,16 +189,33 @@ def unused_parameter_error(ctx: RankContext, seed: int) -> str:
 
 class SpareMLP(data_parallel.TinyMLP):
     """TinyMLP whose spare layer joins the hidden stream only when forward is told to
-    (`use_spare`): a layer used on some steps and ranks and not on others."""
+    (`use_spare`): a layer used on some steps and ranks and not on others. `idle=True` adds a
+    last layer no forward ever uses."""
 
-    def __init__(self, **sizes):
+    def __init__(self, idle: bool = False, **sizes):
         super().__init__(unused=True, **sizes)
+        self.idle = nn.Linear(4, 4) if idle else None
 
     def forward(self, x: torch.Tensor, use_spare: bool = True) -> torch.Tensor:
         hidden = F.relu(self.fc1(x * self.input_scale))
         if use_spare:
             hidden = hidden + self.spare(hidden)
         return self.head(F.relu(self.fc2(hidden)))
+
+
+class TwoHeadMLP(nn.Module):
+    """fc1 -> ReLU -> two heads, (head, aux): forward runs both; the loss leaves aux out on some
+    steps and ranks, so its layer gets no gradient although forward used it. A last layer,
+    idle, no forward uses."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 4):
+        super().__init__()
+        self.fc1, self.head = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
+        self.aux, self.idle = nn.Linear(hidden, d_out), nn.Linear(d_out, d_out)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = F.relu(self.fc1(x))
+        return self.head(hidden), self.aux(hidden)
 
 
 class NormMLP(nn.Module):
@@ -229,10 +246,11 @@ class TiedMLP(nn.Module):
         return F.linear(hidden, self.fc1.weight.t())
 
 
-def build(cls: type, seed: int, device) -> nn.Module:
-    """`cls()` in float64 with weights from `seed` alone, on `device`."""
+def build(make: Callable[[], nn.Module], seed: int, device) -> nn.Module:
+    """`make()` (a module class, or any function that builds one) in float64 with weights from
+    `seed` alone, on `device`."""
     torch.manual_seed(seed)
-    return cls().to(torch.float64).to(device)
+    return make().to(torch.float64).to(device)
 
 
 def torch_ddp_like(ctx: RankContext, model: nn.Module, broadcast_buffers: bool = True,
@@ -253,8 +271,9 @@ def train_contract(ctx: RankContext, engine: str, model: nn.Module, steps: int, 
     """Train `model` (already on ctx.device) under our BucketedDDP or torch's (`engine` 'ours'
     or 'torch') over `group`, with SGD + momentum, `accumulation` micro-batches per step (all
     but the last inside no_sync()). `use(step, micro, group rank)` gives forward's keyword
-    arguments. Returns the gradients after each step's backward (a None kept as None), then the
-    final parameters and buffers, by name."""
+    arguments, and (popped) `aux_loss`: whether the loss takes a tuple output's second element
+    too (else only the first). Returns the gradients after each step's backward (a None kept
+    as None), then the final parameters and buffers, by name."""
     ddp_kwargs.setdefault("bucket_cap_mb", CHECK_CAP_BYTES / 2**20)
     if engine == "ours":
         wrapped = data_parallel.BucketedDDP(model, process_group=group, **ddp_kwargs)
@@ -268,8 +287,12 @@ def train_contract(ctx: RankContext, engine: str, model: nn.Module, steps: int, 
             x, y = shard_of_step(ctx, step * accumulation + micro, 4 * dist.get_world_size(group),
                                  seed, group, d_in=d_in, d_out=d_out)
             kwargs = use(step, micro, dist.get_rank(group)) if use else {}
+            aux_loss = kwargs.pop("aux_loss", False)
             with wrapped.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
-                F.mse_loss(wrapped(x, **kwargs), y).backward()
+                output = wrapped(x, **kwargs)
+                if isinstance(output, tuple):
+                    output = output[0] + output[1] if aux_loss else output[0]
+                F.mse_loss(output, y).backward()
         grads.append({name: None if p.grad is None else p.grad.detach().cpu().clone()
                       for name, p in model.named_parameters()})
         optimizer.step()
@@ -296,12 +319,12 @@ def contract_gap(ours: dict, theirs: dict) -> tuple[float, str]:
     return worst, where
 
 
-def spare_plan(step: int, micro: int, rank: int) -> dict:
-    """Which (step, micro-batch, rank) runs the spare layer: step 0 everywhere; step 1 nowhere
-    (no rank uses it: its .grad stays None); step 2 only group rank 0's last micro-batch;
-    step 3 only the first micro-batch (under no_sync: used, though not in the synchronised one)."""
-    return {"use_spare": (step == 0 or (step == 2 and rank == 0 and micro == 1)
-                          or (step == 3 and micro == 0))}
+def spare_plan(step: int, micro: int, rank: int, key: str = "use_spare") -> dict:
+    """Which (step, micro-batch, rank) uses the optional layer: step 0 everywhere; step 1
+    nowhere (no rank uses it: its .grad stays None); step 2 only group rank 0's last
+    micro-batch; step 3 only the first micro-batch (under no_sync: used, though not in the
+    synchronised one). `key`: forward's argument (use_spare) or the loss's (aux_loss)."""
+    return {key: (step == 0 or (step == 2 and rank == 0 and micro == 1) or (step == 3 and micro == 0))}
 
 
 def contract_checks(ctx: RankContext, seed: int) -> list[Check]:
@@ -309,8 +332,11 @@ def contract_checks(ctx: RankContext, seed: int) -> list[Check]:
     and buffers: find_unused_parameters, BatchNorm buffers with and without broadcast_buffers,
     tied weights, and two process groups (the even and the odd ranks) at once."""
     def pair(name: str, make, **kwargs) -> Check:
-        runs = {engine: train_contract(ctx, engine, make(), 4, seed, **kwargs)
-                for engine in ("ours", "torch")}
+        try:  # every rank meets the same error at the same point: no peer is left waiting
+            runs = {engine: train_contract(ctx, engine, make(), 4, seed, **kwargs)
+                    for engine in ("ours", "torch")}
+        except RuntimeError as exc:
+            return Check(name, False, f"raised {str(exc)[:150]}")
         gap, where = contract_gap(runs["ours"], runs["torch"])
         return Check(name, gap <= TOLERANCE, f"max |ours - torch| {gap:.1e} ({where})")
 
@@ -321,9 +347,12 @@ def contract_checks(ctx: RankContext, seed: int) -> list[Check]:
     groups = [dist.new_group(ranks) for ranks in halves]  # every rank creates every group
     mine = next(g for g, ranks in zip(groups, halves) if ctx.rank in ranks)
     return [
-        pair("find_unused_parameters: a layer some steps and ranks skip == torch DDP (grads, None "
-             "kept, weights)", different(SpareMLP), accumulation=2, use=spare_plan,
-             find_unused_parameters=True),
+        pair("find_unused_parameters: a layer some steps and ranks skip, one no step uses == torch "
+             "DDP (grads, None kept, weights)", different(lambda: SpareMLP(idle=True)), accumulation=2,
+             use=spare_plan, find_unused_parameters=True),
+        pair("find_unused_parameters: an output the loss leaves out on some steps and ranks == "
+             "torch DDP (grads, None kept, weights)", different(TwoHeadMLP), accumulation=2,
+             use=lambda *at: spare_plan(*at, key="aux_loss"), find_unused_parameters=True),
         pair("broadcast_buffers: BatchNorm's running stats, weights == torch DDP on every rank",
              different(NormMLP), accumulation=2),
         pair("broadcast_buffers=False: each rank keeps its own running stats, as torch DDP",

@@ -6,13 +6,15 @@ frozen tower) leaves parameters with no gradient, so their bucket never fills an
 would wait for ever. torch DDP, with find_unused_parameters=True, walks the autograd graph from
 the forward's outputs after every synchronised forward, and marks the parameters it cannot
 reach ready at once (reducer.cpp: search_unused_parameters). `BucketedDDP.forward` in main.py
-does the same with `unused_parameters`.
+does the same with `unused_parameters`. A layer that forward ran but whose output the loss
+leaves out is reached, yet gets no gradient: `through_sink` makes autograd still run it, with
+a None gradient, so its parameters' hooks fire (torch's _DDPSink).
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 
 # exercise find-unused (2 points): The parameters a forward left out
@@ -39,3 +41,30 @@ def unused_parameters(output, params: list[torch.Tensor]) -> list[int]:
                 seen.add(following)
                 stack.append(following)
     return [i for i, param in enumerate(params) if id(param) not in reached]
+
+
+class _Sink(torch.autograd.Function):
+    """Identity on forward's output tensors, whose backward passes their gradients through
+    unchanged, None included: `set_materialize_grads(False)` keeps autograd from turning the
+    missing gradient of an output the loss did not use into zeros. The layers behind that
+    output still run backward, with None, down to their parameters' AccumulateGrad, so those
+    parameters' post-accumulate-grad hooks fire with .grad None (torch DDP's _DDPSink)."""
+
+    @staticmethod
+    def forward(ctx, *outputs):
+        ctx.set_materialize_grads(False)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
+def through_sink(output):
+    """`output` (a tensor, or lists, tuples and dicts of them) with each tensor that has a
+    grad_fn passed through `_Sink`: the same values and structure (other values untouched)."""
+    leaves, spec = tree_flatten(output)
+    routed = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    for i, tensor in zip(routed, _Sink.apply(*(leaves[i] for i in routed)) if routed else ()):
+        leaves[i] = tensor
+    return tree_unflatten(leaves, spec)

@@ -170,16 +170,14 @@ class BucketedDDP(nn.Module):
     accumulated under no_sync), its .grad gets the average if some rank used it since the last
     synchronised backward, and stays untouched (None stays None) if no rank did.
 
-    How: one post-accumulate-grad hook per parameter; complete buckets start async
-    all-reduces strictly in index order (every rank issues the same collectives in the same
-    order); a callback at the end of backward waits, divides by p and copies back. `forward`
-    decides, as torch DDP does, whether its backward synchronises (`_sync_this_backward`) and
-    which parameters it left out (`_unused`); the hooks read only those and the bookkeeping of
-    `_start_backward()`. Cost per synchronised backward: len(self.buckets) all-reduces,
-    2(p-1)/p x Psi x b bytes per rank, a copy of each gradient in and out; find_unused: a graph
-    walk and an all-reduce of a flag per parameter; broadcast_buffers: a broadcast per forward.
-    `on_event(kind, bucket)`, if given, hears ("launch", i), ("backward_end", -1) and
-    ("reduced", i): timing and checks observe through it, it never changes a result.
+    How: a post-accumulate-grad hook per parameter; complete buckets start async all-reduces
+    strictly in index order (every rank issues the same collectives in one order); a callback
+    at the end of backward waits, divides by p, copies back. `forward` decides, as torch DDP,
+    whether its backward synchronises (`_sync_this_backward`) and what it left out (`_unused`).
+    Cost per synchronised backward: len(self.buckets) all-reduces, 2(p-1)/p x Psi x b bytes per
+    rank, a copy of each gradient in and out; find_unused: a graph walk and an all-reduce of a
+    flag per parameter; broadcast_buffers: a broadcast per forward. `on_event(kind, bucket)`
+    hears ("launch", i), ("backward_end", -1), ("reduced", i): to observe, never to change.
     """
 
     def __init__(self, module: nn.Module, *, broadcast_buffers: bool = True,
@@ -197,8 +195,7 @@ class BucketedDDP(nn.Module):
         first = DDP_FIRST_BUCKET_BYTES if bucket_cap_mb is None else None
         self.buckets = assign_buckets(self.params, cap, first)
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
-        # torch's names: sync the next backward? did the last forward synchronise?
-        self.require_backward_grad_sync = self.require_forward_param_sync = True
+        self.require_backward_grad_sync = self.require_forward_param_sync = True  # torch's names
         self._sync_this_backward = False
         self._used: set[int] = set()  # indices with a gradient since the last synchronised backward
         self._start_backward()
@@ -214,8 +211,7 @@ class BucketedDDP(nn.Module):
         self._unused: list[int] = []  # indices forward found unused (find_unused_parameters)
 
     def _sync_buffers(self) -> None:
-        """Rank 0's buffers (of `process_group`) to every rank, in place, as torch DDP's
-        `_sync_buffers` (the version counters kept, so a graph that saved a buffer stays valid)."""
+        """Rank 0's buffers to every rank, in place, version counters kept (torch's too)."""
         buffers = tuple(self.module.buffers())
         with torch.autograd._unsafe_preserve_version_counter(buffers):
             broadcast_tensors(list(buffers), group=self.process_group)
@@ -228,7 +224,7 @@ class BucketedDDP(nn.Module):
     # hint: decide in forward, never in backward (buffers first, before the module runs);
     #   no_sync: save the flag, clear it, yield inside try, restore the saved value in finally.
     def forward(self, *args, **kwargs):
-        """Run `self.module(*args, **kwargs)` and return its output unchanged, in this order:
+        """Run `self.module(*args, **kwargs)` and return its output, in this order:
         1. if `broadcast_buffers` and `require_forward_param_sync` (True after construction,
            then whether the previous forward synchronised), `self._sync_buffers()`: rank 0's
            buffers before the module reads them (as torch DDP: none after a no_sync forward);
@@ -239,7 +235,10 @@ class BucketedDDP(nn.Module):
            `require_forward_param_sync`;
         3. reset the bookkeeping: `self._start_backward()`, once per forward;
         4. run the module; if this backward synchronises and `find_unused_parameters` is set,
-           `self._unused = find_unused.unused_parameters(output, self.params)`."""
+           `self._unused = find_unused.unused_parameters(output, self.params)`;
+        5. with find_unused_parameters, return `find_unused.through_sink(output)` (the same
+           values; an output the loss leaves out brings its parameters' hooks a None gradient,
+           as in torch DDP), else `output` itself."""
         if self.broadcast_buffers and self.require_forward_param_sync:
             self._sync_buffers()
         self._sync_this_backward = self.require_backward_grad_sync and torch.is_grad_enabled()
@@ -248,7 +247,7 @@ class BucketedDDP(nn.Module):
         output = self.module(*args, **kwargs)
         if self._sync_this_backward and self.find_unused_parameters:
             self._unused = find_unused.unused_parameters(output, self.params)
-        return output
+        return find_unused.through_sink(output) if self.find_unused_parameters else output
 
     # exercise no-sync (continued)
     @contextlib.contextmanager
@@ -274,7 +273,8 @@ class BucketedDDP(nn.Module):
     def _make_hook(self, index: int):
         """Return the hook of parameter `index` (self.params[index]): hook(param) -> None,
         which __init__ registers with register_post_accumulate_grad_hook, so it runs once
-        param.grad holds this backward's (accumulated) gradient. First, always, record the use
+        param.grad holds this backward's (accumulated) gradient, or None (an output the loss
+        left out: see `forward`). First, always, record a use if param.grad is not None
         (`self._used.add(index)`: a gradient since the last synchronised backward, no_sync
         ones included). Then, on an unsynchronised backward (`self._sync_this_backward`
         False), nothing more. Otherwise: at the first gradient of this backward queue
@@ -284,7 +284,8 @@ class BucketedDDP(nn.Module):
         `_next_bucket` on, in index order (a complete bucket waits for its predecessors: every
         rank then issues the same all-reduces in the same order)."""
         def hook(param: torch.Tensor) -> None:
-            self._used.add(index)
+            if param.grad is not None:  # None: forward ran it, the loss did not use it
+                self._used.add(index)
             if not self._sync_this_backward:
                 return
             if not self._callback_queued:  # first gradient of this backward

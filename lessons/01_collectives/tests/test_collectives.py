@@ -19,14 +19,13 @@ import math
 import re
 import subprocess
 import sys
-import tempfile
 import unittest
 from pathlib import Path
 
 import torch
 
 from lessons._checks import compare, sum_order_tolerance
-from lessons._launch import WorkerError, launch
+from lessons._launch import launch
 from lessons._report import merge_rank_checks
 from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
@@ -245,19 +244,9 @@ EXERCISE_TIMEOUT_S = 30  # the work takes about a second: a hang or deadlock fai
 
 def launch_exercise(worker, world: int, args: tuple = ()) -> list:
     """One launch of `worker` on `world` ranks over every group configuration of
-    W.CONFIGS[world]. A failure or hang names the class's launch, its configurations and the
-    configuration each rank was running (the workers write it down as they go)."""
-    configs = W.CONFIGS[world]
-    with tempfile.TemporaryDirectory(prefix="dtfs-progress-") as progress:
-        try:
-            return launch(worker, world, (progress, configs, *args), device="cpu",
-                          timeout_s=EXERCISE_TIMEOUT_S)
-        except WorkerError as error:
-            where = "; ".join(f"rank {r}: {(Path(progress) / f'rank{r}').read_text()}"
-                              for r in range(world) if (Path(progress) / f"rank{r}").exists())
-            raise WorkerError(f"{worker.__name__} on {world} ranks (configurations {configs}), "
-                              f"lessons/01_collectives: {error} [last configuration started: "
-                              f"{where or 'none'}]", error.rank, error.cause) from error
+    W.CONFIGS[world] (a failure or hang names the configuration each rank was running: the
+    workers announce it with lessons._launch.phase)."""
+    return launch(worker, world, (W.CONFIGS[world], *args), device="cpu", timeout_s=EXERCISE_TIMEOUT_S)
 
 
 class _ExerciseCase(unittest.TestCase):

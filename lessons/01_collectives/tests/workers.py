@@ -20,10 +20,11 @@ from __future__ import annotations
 import hashlib
 import importlib
 import math
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from lessons._launch import phase
 
 M = importlib.import_module("lessons.01_collectives.main")  # the technique
 L = importlib.import_module("lessons.01_collectives.latency_optimal")  # its log2 p algorithms
@@ -116,11 +117,11 @@ class Group:
                              for r in range(self.size)]
 
 
-def run_configs(ctx, progress: str, configs: list, body) -> list[dict]:
+def run_configs(ctx, configs: list, body) -> list[dict]:
     """`body(where: Group)` -> cases, once per configuration this rank takes part in. Every
     rank creates every group of a configuration (dist.new_group is collective), in order.
-    Before each configuration the rank writes where it is to `progress`/rank{r} (the test
-    names the configuration that hung from it)."""
+    Each configuration is announced with `phase()`: a rank that fails or hangs is reported
+    with the configuration it was running."""
     cases: list[dict] = []
     for config in configs:
         if config is None:
@@ -131,7 +132,7 @@ def run_configs(ctx, progress: str, configs: list, body) -> list[dict]:
             if not mine:
                 continue  # idle while the others run
             where = Group(mine[0][0], f"group=ranks {mine[0][1]} of {ctx.world_size}")
-        Path(progress, f"rank{ctx.rank}").write_text(where.where)
+        phase(where.where)
         for case in body(where):
             cases.append({"where": where.where, **case})
     return cases
@@ -140,7 +141,16 @@ def run_configs(ctx, progress: str, configs: list, body) -> list[dict]:
 # ----------------------------------------------------------------------------- the rings
 
 
-def reduce_scatter_worker(ctx, progress: str, configs: list, cases: list) -> list[dict]:
+def ring_case(ctx, g: Group, seed: int, size, dtype_name: str):
+    """One ring case on this rank of `g`: (shape, numel, input, a copy of it, every group
+    rank's input flattened in group order for the ring-order reference)."""
+    shape = _shape(size)
+    x = _input(g.global_ranks[g.rank], shape, dtype_name, seed, ctx.device)
+    inputs = [_input(r, shape, dtype_name, seed, ctx.device).reshape(-1) for r in g.global_ranks]
+    return shape, math.prod(shape), x, x.clone(), inputs
+
+
+def reduce_scatter_worker(ctx, configs: list, cases: list) -> list[dict]:
     """`ring_reduce_scatter` against torch's reduce-scatter (exact for integers, the float
     bound otherwise), bit for bit against the ring-order reference, its bytes against
     `ring_bytes_sent`, and its input left alone; then the hand-worked cases."""
@@ -148,17 +158,12 @@ def reduce_scatter_worker(ctx, progress: str, configs: list, cases: list) -> lis
     def body(g: Group) -> list[dict]:
         results = []
         for seed, (size, dtype_name) in enumerate(cases):
-            shape = _shape(size)
-            numel = math.prod(shape)
-            x = _input(g.global_ranks[g.rank], shape, dtype_name, seed, ctx.device)
-            before = x.clone()
+            shape, numel, x, before, inputs = ring_case(ctx, g, seed, size, dtype_name)
             traffic = M.Traffic()
             ours = M.ring_reduce_scatter(x, traffic, group=g.group)
             theirs = C.torch_reduce_scatter(x.reshape(-1), g.group)
             start, end = M.chunk_bounds(numel, g.size)[g.rank]
             tolerance = _tolerance(x, g.size, g.group)
-            inputs = [_input(r, shape, dtype_name, seed, ctx.device).reshape(-1)
-                      for r in g.global_ranks]
             expected = M.ring_bytes_sent(numel, x.element_size(), g.size, g.rank)["reduce_scatter"]
             results.append({
                 "case": f"shape {shape} {dtype_name}",
@@ -172,10 +177,10 @@ def reduce_scatter_worker(ctx, progress: str, configs: list, cases: list) -> lis
             results.append({"case": f"hand {numel}", "values": ours.tolist()})
         return results
 
-    return run_configs(ctx, progress, configs, body)
+    return run_configs(ctx, configs, body)
 
 
-def all_gather_worker(ctx, progress: str, configs: list, cases: list) -> list[dict]:
+def all_gather_worker(ctx, configs: list, cases: list) -> list[dict]:
     """`ring_all_gather` of chunks that torch's reduce-scatter made (so a wrong reduce-scatter
     cannot fail it), some given as 2-D columns (any shape is allowed), against torch's
     all-gather, exactly, with its bytes and input checked; a chunk of the wrong size (every
@@ -220,10 +225,10 @@ def all_gather_worker(ctx, progress: str, configs: list, cases: list) -> list[di
                             "values": M.ring_all_gather(chunk, numel, group=g.group).tolist()})
         return results
 
-    return run_configs(ctx, progress, configs, body)
+    return run_configs(ctx, configs, body)
 
 
-def all_reduce_worker(ctx, progress: str, configs: list, cases: list) -> list[dict]:
+def all_reduce_worker(ctx, configs: list, cases: list) -> list[dict]:
     """`ring_all_reduce` against dist.all_reduce (within the float bound), bit for bit against
     the ring-order reference and across ranks, shape kept, bytes = both rings', input kept;
     the hand-worked cases."""
@@ -231,17 +236,12 @@ def all_reduce_worker(ctx, progress: str, configs: list, cases: list) -> list[di
     def body(g: Group) -> list[dict]:
         results = []
         for seed, (size, dtype_name) in enumerate(cases):
-            shape = _shape(size)
-            numel = math.prod(shape)
-            x = _input(g.global_ranks[g.rank], shape, dtype_name, seed, ctx.device)
-            before = x.clone()
+            shape, numel, x, before, inputs = ring_case(ctx, g, seed, size, dtype_name)
             traffic = M.Traffic()
             ours = M.ring_all_reduce(x, traffic, group=g.group)
             theirs = x.clone()
             dist.all_reduce(theirs, group=g.group)
             tolerance = _tolerance(x, g.size, g.group)
-            inputs = [_input(r, shape, dtype_name, seed, ctx.device).reshape(-1)
-                      for r in g.global_ranks]
             raw = ours.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() \
                 if isinstance(ours, torch.Tensor) else b""
             digest = torch.tensor([int.from_bytes(hashlib.sha256(raw).digest()[:7], "little")])
@@ -263,13 +263,13 @@ def all_reduce_worker(ctx, progress: str, configs: list, cases: list) -> list[di
         results.append({"case": "hand (3, 2)", "values": ours.tolist()})
         return results
 
-    return run_configs(ctx, progress, configs, body)
+    return run_configs(ctx, configs, body)
 
 
 # ----------------------------------------------------------------------------- tree, all-to-all
 
 
-def broadcast_worker(ctx, progress: str, configs: list) -> list[dict]:
+def broadcast_worker(ctx, configs: list) -> list[dict]:
     """`tree_broadcast` from every root of the group (last first: relative ranks matter there)
     against dist.broadcast(group_src=root), exactly, in place, with its rounds and bytes
     against the formulas; the hand-worked case."""
@@ -299,10 +299,10 @@ def broadcast_worker(ctx, progress: str, configs: list) -> list[dict]:
         results.append({"case": "hand, root = last rank of the group", "values": hand.tolist()})
         return results
 
-    return run_configs(ctx, progress, configs, body)
+    return run_configs(ctx, configs, body)
 
 
-def all_to_all_worker(ctx, progress: str, configs: list) -> list[dict]:
+def all_to_all_worker(ctx, configs: list) -> list[dict]:
     """Our all_to_all against torch's all_to_all_single for the shapes lessons 11 and 12 use:
     equal blocks with trailing dims (Ulysses), uneven blocks with zeros whose sizes the
     receiver does not know (MoE dispatch), every count zero, and one rank receiving all;
@@ -369,7 +369,7 @@ def all_to_all_worker(ctx, progress: str, configs: list) -> list[dict]:
         results.append({"case": "hand", "values": out.tolist()})
         return results
 
-    return run_configs(ctx, progress, configs, body)
+    return run_configs(ctx, configs, body)
 
 
 def suite_worker(ctx, cases: list[tuple[int, str]]) -> dict:

@@ -485,6 +485,17 @@ class TestOnRanks(unittest.TestCase):
                               W.spare_expected(self.seed, world, "used_under_no_sync"),
                               f"spare layer used under no_sync only, {where}")
 
+    @exercise("bucketed-reducer")
+    def test_find_unused_parameters_and_an_output_the_loss_leaves_out(self):
+        """TwoHeadMLP's aux head runs in forward but the loss leaves it out: its hooks fire
+        with .grad None (the outputs go through find_unused.through_sink, as forward sends
+        them). No rank's loss used it: .grad stays None; only group rank 0's did: rank 0's
+        gradient / p everywhere. The idle layer (given as unused) stays None."""
+        for case in ("aux_left_out", "aux_on_rank_0"):
+            for where, _, world, _, result in self.configurations("reducer"):
+                self.assert_grads(result[case]["grads"], W.spare_expected(self.seed, world, case),
+                                  f"{case}, {where}")
+
     # ------------------------------------------------------------------ no-sync
 
     @exercise("no-sync")
@@ -546,13 +557,29 @@ class TestOnRanks(unittest.TestCase):
                                  f"{where}, {name}: (_unused, calls to unused_parameters)")
 
     @exercise("no-sync")
+    def test_forward_sends_its_outputs_through_the_sink(self):
+        """find_unused_parameters: forward returns find_unused.through_sink(output), the same
+        two tensors, so a loss on the first alone still fires the hooks of the second head's 2
+        parameters (with .grad None): 6 hook calls in all; without the flag, 4 and no None."""
+        for where, _, _, _, result in self.configurations("no_sync_decision"):
+            left_out = result["left_out"]
+            self.assertEqual((left_out["find_unused"]["hooks"], left_out["find_unused"]["grad_none"]),
+                             (6, 2), f"{where}, find_unused_parameters: (hook calls, of them with "
+                                     f".grad None) after a loss on the first output only")
+            self.assertEqual((left_out["flag_off"]["hooks"], left_out["flag_off"]["grad_none"]), (4, 0),
+                             f"{where}, find_unused_parameters off: (hook calls, with .grad None)")
+            for name in ("find_unused", "flag_off"):
+                self.assertTrue(left_out[name]["same_output"],
+                                f"{where}, {name}: expected the module's two outputs, same values")
+
+    @exercise("no-sync")
     def test_forward_broadcasts_rank_0s_buffers_as_torch_ddp_does(self):
         """Rank r sets its buffer to 10 r + k before forward k; the module reads group rank 0's
         value after a synchronised forward (forwards 1, 2 and 4: the first, the one after it,
         the no_grad one after a synchronised one) and its own after a no_sync or no_grad one
         (3 and 5), as torch DDP's require_forward_param_sync decides; with
         broadcast_buffers=False, its own every time (and at construction)."""
-        for where, rank, world, _, result in self.configurations("no_sync_decision"):
+        for where, rank, _, _, result in self.configurations("no_sync_decision"):
             first = self.first_rank(where, rank)  # group rank 0's global rank
             buffers = result["buffers"]
             expected = [10.0 * first + 1, 10.0 * first + 2, 10.0 * rank + 3, 10.0 * first + 4,
@@ -663,7 +690,7 @@ class TestTorchrun(unittest.TestCase):
                                     nproc_per_node=2)
         self.assertTrue(report["passed"], [c for c in report["checks"] if not c["passed"]])
         self.assertEqual((report["world_size"], report["device"]), (2, "cpu"))
-        self.assertEqual(len(report["checks"]), 17, [c["name"] for c in report["checks"]])
+        self.assertEqual(len(report["checks"]), 18, [c["name"] for c in report["checks"]])
 
 
 if __name__ == "__main__":

@@ -26,13 +26,15 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lessons._launch import phase, raised_at
+
 data_parallel = importlib.import_module("lessons.02_data_parallel.main")
 checks = importlib.import_module("lessons.02_data_parallel.checks")
 
 PAIRS_6 = [[5, 4], [3, 2], [1, 0]]  # TinyMLP's six parameters, two per bucket, head first
 UNEVEN_6 = [[5], [4, 3, 2], [1, 0]]
 PAIRS_8 = [[7, 6], [5, 4], [3, 2], [1, 0]]  # with the spare layer: bucket 0 = spare
-SPARE = [6, 7]  # the spare layer's indices in parameters()
+SPARE = [6, 7]  # the spare layer's indices in parameters() (TwoHeadMLP's idle layer's too)
 SUBGROUPS = [[0, 2], [1]]  # of 3 ranks: two groups at once (ranks 0 and 2, rank 1 alone)
 
 # the hand-worked case: y = w x, one weight w = 1, mean squared error over a rank's 2 rows
@@ -99,14 +101,21 @@ def given_unused(answer: list[int], calls: list):
 
 
 def synchronised_backward(wrapped, x: torch.Tensor, y: torch.Tensor, sync: bool = True,
-                          unused: list[int] | None = None, **forward_kwargs) -> None:
+                          unused: list[int] | None = None, aux_loss: bool | None = None,
+                          **forward_kwargs) -> None:
     """One forward and backward through `wrapped.module`, armed as `forward` arms it (the
     decision in `_sync_this_backward`, fresh bookkeeping, the unused parameters forward would
-    have found in `_unused`), without calling `forward`."""
+    have found in `_unused`), without calling `forward`. `aux_loss` (a two-output module):
+    the outputs go through `find_unused.through_sink`, as forward sends them with
+    find_unused_parameters, and the loss takes the second one only if `aux_loss`."""
     wrapped._sync_this_backward = sync
     wrapped._start_backward()
     wrapped._unused = list(unused or [])
-    F.mse_loss(wrapped.module(x, **forward_kwargs), y).backward()
+    output = wrapped.module(x, **forward_kwargs)
+    if aux_loss is not None:
+        head, aux = data_parallel.find_unused.through_sink(output)
+        output = head + aux if aux_loss else head
+    F.mse_loss(output, y).backward()
 
 
 def grads_of(model) -> list:
@@ -118,12 +127,14 @@ def flat_grads(model) -> list[float]:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).tolist()
 
 
-def guarded(section, *args) -> dict:
-    """Run one exercise's section; an exception comes back as its first line."""
+def guarded(where: str, section, *args) -> dict:
+    """Run one exercise's section (announced with `phase`: a hang names it); an exception
+    comes back as its first line and the lesson line that raised it."""
+    phase(f"section {where}")
     try:
         return section(*args)
     except Exception as exc:  # noqa: BLE001 - reported to the test, which fails with it
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": f"{type(exc).__name__}: {str(exc)[:300]}{raised_at(exc.__traceback__)}"}
 
 
 # ----------------------------------------------------------------------------- average-gradients
@@ -233,6 +244,15 @@ def reducer_section(ctx, seed: int, group) -> dict:
     synchronised_backward(wrapped, x, y, sync=False, use_spare=True)  # a no_sync micro-batch
     synchronised_backward(wrapped, x2, y2, unused=SPARE, use_spare=False)
     result["used_under_no_sync"] = {"grads": grads_of(wrapped.module)}
+
+    # find_unused_parameters, an output the loss leaves out: its layer's hooks fire with None
+    wrapped, _ = observed(checks.build(checks.TwoHeadMLP, seed, ctx.device), PAIRS_8,
+                          find_unused_parameters=True)
+    synchronised_backward(wrapped, x, y, unused=SPARE, aux_loss=False)
+    result["aux_left_out"] = {"grads": grads_of(wrapped.module)}
+    wrapped.module.zero_grad(set_to_none=True)
+    synchronised_backward(wrapped, x, y, unused=SPARE, aux_loss=rank == 0)
+    result["aux_on_rank_0"] = {"grads": grads_of(wrapped.module)}
     return result
 
 
@@ -244,9 +264,10 @@ class SyncRecorder(data_parallel.BucketedDDP):
     and whose `_start_backward` counts its calls: `forward` and `no_sync` without the reducer."""
 
     def __init__(self, module, **ddp_kwargs):
-        with given_buckets(PAIRS_6 if len(list(module.parameters())) == 6 else [[1, 0]]):
+        with given_buckets([list(reversed(range(len(list(module.parameters())))))]):
             super().__init__(module, bucket_cap_mb=1024 / 2**20, **ddp_kwargs)
         self.seen: list[bool] = []
+        self.grad_none: list[bool] = []  # per hook call: was .grad None?
 
     def _start_backward(self) -> None:
         super()._start_backward()
@@ -255,6 +276,7 @@ class SyncRecorder(data_parallel.BucketedDDP):
     def _make_hook(self, index: int):
         def hook(param) -> None:
             self.seen.append(self._sync_this_backward)
+            self.grad_none.append(param.grad is None)
         return hook
 
 
@@ -324,13 +346,27 @@ def no_sync_decision_section(ctx, seed: int, group) -> dict:
         with given_unused([99], calls), context():
             output = finder(x)
         asked[name] = {"unused": list(finder._unused), "calls": len(calls),
-                       "with_output_and_params": bool(calls) and calls[0][0] is output
-                       and calls[0][1] is finder.params}
+                       "with_output_and_params": bool(calls) and torch.is_tensor(calls[0][0])
+                       and torch.equal(calls[0][0], output) and calls[0][1] is finder.params}
     calls = []
     with given_unused([99], calls):
         recorder(x)  # find_unused_parameters off
     asked["flag_off"] = {"unused": list(recorder._unused), "calls": len(calls)}
     result["unused"] = asked
+
+    # an output the loss leaves out: with find_unused_parameters its layer's hooks still fire
+    left_out = {}
+    for name, flag in (("find_unused", True), ("flag_off", False)):
+        two = SyncRecorder(checks.build(checks.TwoHeadMLP, seed, ctx.device), process_group=group,
+                           find_unused_parameters=flag)
+        with given_unused([], []):
+            output = two(x)
+        expected = two.module(x)
+        F.mse_loss(output[0], y).backward()
+        left_out[name] = {"hooks": len(two.seen), "grad_none": sum(two.grad_none),
+                          "same_output": isinstance(output, tuple) and len(output) == 2
+                          and all(torch.equal(a, b) for a, b in zip(output, expected))}
+    result["left_out"] = left_out
 
     # buffers: set rank r's to 10 r + k, run a forward, record what the module read
     levels = {}
@@ -360,10 +396,11 @@ def exercise_checks(ctx, seed: int) -> dict:
     """Every exercise's section on this rank, over every rank (group=None), then over the
     subgroups of `SUBGROUPS` at once (no torch optimizer here: building one in a fresh rank
     imports torch._dynamo, seconds of CPU per rank, and each planted bug pays this launch)."""
-    results = {name: guarded(section, ctx, seed, None) for name, section in SECTIONS.items()}
+    results = {name: guarded(f"{name}, group=None", section, ctx, seed, None)
+               for name, section in SECTIONS.items()}
     groups = [dist.new_group(ranks) for ranks in SUBGROUPS]  # every rank creates every group
     mine = next(g for g, ranks in zip(groups, SUBGROUPS) if ctx.rank in ranks)
-    results.update({f"{name} in subgroups": guarded(section, ctx, seed, mine)
+    results.update({f"{name} in subgroups": guarded(f"{name}, groups {SUBGROUPS}", section, ctx, seed, mine)
                     for name, section in SECTIONS.items()})
     return results
 
@@ -414,15 +451,29 @@ def spare_local(seed: int, world_size: int, rank: int, micro_batches: list[tuple
     return grads_of(model)
 
 
+def two_head_local(seed: int, world_size: int, rank: int, micro_batches: list[tuple[int, bool]]) -> list:
+    """As `spare_local`, for TwoHeadMLP, the bool saying whether the loss takes the aux head."""
+    model = checks.build(checks.TwoHeadMLP, seed, "cpu")
+    for index, aux_loss in micro_batches:
+        x, y = data_parallel.global_batch(index, 4 * world_size, seed)
+        head, aux = model(data_parallel.local_shard(x, rank, world_size))
+        target = data_parallel.local_shard(y, rank, world_size)
+        F.mse_loss(head + aux if aux_loss else head, target).backward()
+    return grads_of(model)
+
+
 @functools.cache  # the tests ask for the same references again and again
 def spare_expected(seed: int, world_size: int, case: str) -> list:
-    """What torch DDP with find_unused_parameters=True leaves in .grad for each reducer case:
-    the sum over ranks of what each contributed (its gradient, zero where it had none) / p,
-    except a parameter no rank used, whose .grad stays None."""
+    """What torch DDP with find_unused_parameters=True leaves in .grad for each reducer case
+    (SpareMLP's, then TwoHeadMLP's "aux_..."): the sum over ranks of what each contributed (its
+    gradient, zero where it had none) / p, except a parameter no rank used: .grad stays None."""
     plans = {"no_rank_used": lambda r: [(0, False)],
              "rank_0_used": lambda r: [(0, r == 0)],
-             "used_under_no_sync": lambda r: [(0, True), (1, False)]}
-    locals_ = [spare_local(seed, world_size, r, plans[case](r)) for r in range(world_size)]
+             "used_under_no_sync": lambda r: [(0, True), (1, False)],
+             "aux_left_out": lambda r: [(0, False)],
+             "aux_on_rank_0": lambda r: [(0, r == 0)]}
+    local = spare_local if not case.startswith("aux") else two_head_local
+    locals_ = [local(seed, world_size, r, plans[case](r)) for r in range(world_size)]
     expected = []
     for index in range(len(locals_[0])):
         contributions = [grads[index] for grads in locals_ if grads[index] is not None]
