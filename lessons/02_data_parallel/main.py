@@ -336,9 +336,9 @@ class BucketedDDP(nn.Module):
                 "(torch DDP raises at the next forward); pass find_unused_parameters=True if a "
                 "forward may leave them out, and make every output of forward part of the loss")
         self._notify("backward_end", -1)
-        used = torch.zeros(len(self.params), device=self.params[0].device)
+        used = torch.tensor([float(i in self._used) for i in range(len(self.params))],
+                            device=self.params[0].device)  # 1 where used here, then summed
         if self.find_unused_parameters:
-            used[sorted(self._used)] = 1
             dist.all_reduce(used, group=self.process_group)
         world = dist.get_world_size(self.process_group)
         for bucket, flat, work in self._inflight:
