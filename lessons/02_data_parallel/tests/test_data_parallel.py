@@ -56,6 +56,8 @@ class TestBuckets(unittest.TestCase):
         self.assertEqual(data_parallel.assign_buckets_by_size([100, 1, 1], 10), [[2, 1, 0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([5, 5, 5, 5], 1), [[3], [2], [1], [0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([4, 4, 4], 8), [[2, 1], [0]])
+        self.assertEqual(data_parallel.assign_buckets_by_size([5, 5, 6], 6), [[2], [1, 0]],
+                         "a new bucket starts empty: 5 bytes stay below the 6-byte cap")
         self.assertEqual(data_parallel.assign_buckets_by_size([], 10), [])
 
     def test_first_bucket_has_its_own_cap(self):
@@ -417,6 +419,9 @@ class TestOnRanks(unittest.TestCase):
             reference = W.reference_gradient(self.seed + 1000 + first, self.seed, world)
             local = W.local_gradient(self.seed + 1000 + first, self.seed, world, group_rank)
             self.assert_average(result["in_order"]["grads"], reference, world, local, where)
+            self.assertEqual(result["in_order"]["same_storage"], [True] * 6,
+                             f"{where}: expected each average copied into the .grad autograd made "
+                             f"(in place), per parameter")
             self.assert_average(result["uneven"]["grads"],
                                 W.reference_gradient(self.seed, self.seed, world), world,
                                 what=f"buckets [[5], [4, 3, 2], [1, 0]], {where}")
@@ -475,6 +480,17 @@ class TestOnRanks(unittest.TestCase):
             self.assert_grads(result["rank_0_used"]["grads"],
                               W.spare_expected(self.seed, world, "rank_0_used"),
                               f"only group rank 0 used the spare layer, {where}")
+
+    @exercise("bucketed-reducer")
+    def test_find_unused_parameters_asks_the_process_group_who_used_it(self):
+        """Only global rank 1 ran the spare layer. Over 3 ranks: rank 1's gradient / 3
+        everywhere; on the subgroups, rank 1 alone keeps its own, and ranks 0 and 2, whose group
+        nobody used it in, keep .grad None (the used flags are all-reduced over the group)."""
+        for where, rank, world, _, result in self.configurations("reducer"):
+            users = (1,) if where.startswith("group=None") else ((0,) if rank == 1 else ())
+            self.assert_grads(result["global_rank_1_used"]["grads"],
+                              W.spare_expected(self.seed, world, "used_by", users),
+                              f"only global rank 1 used the spare layer, {where}")
 
     @exercise("bucketed-reducer")
     def test_find_unused_parameters_counts_a_use_under_no_sync(self):
@@ -538,6 +554,8 @@ class TestOnRanks(unittest.TestCase):
             self.assertEqual(result["starts_after_init"], 1, f"{where}: _start_backward calls after __init__")
             self.assertEqual(result["starts_per_forward"], 1,
                              f"{where}: expected self._start_backward() once per forward")
+            self.assertTrue(result["keywords_passed"], f"{where}: expected forward(x, use_spare=False) "
+                                                       f"to pass the keyword to the module")
             self.assertTrue(result["output_unchanged"], f"{where}: expected forward to return the "
                                                         f"module's output unchanged")
 

@@ -186,11 +186,14 @@ def reducer_section(ctx, seed: int, group) -> dict:
     x, y = checks.shard_of_step(ctx, 0, 4 * world, seed, group)
     result = {}
 
+    storage: dict[int, int] = {}  # parameter index -> its .grad's storage when its hook ran
+
     def observed(model, assignment, cap=1024, **ddp_kwargs):
         events: list[tuple[str, int]] = []
         for index, param in enumerate(model.parameters()):  # registered first: run before ours
             param.register_post_accumulate_grad_hook(
-                lambda p, index=index: events.append(("grad", index)))
+                lambda p, index=index: events.append(("grad", index))
+                or storage.__setitem__(index, None if p.grad is None else p.grad.data_ptr()))
         with given_buckets(assignment):
             wrapped = data_parallel.BucketedDDP(
                 model, bucket_cap_mb=cap / 2**20, process_group=group,
@@ -199,7 +202,9 @@ def reducer_section(ctx, seed: int, group) -> dict:
 
     wrapped, events = observed(data_parallel.make_model(seed + 1000 + ctx.rank), PAIRS_6)
     synchronised_backward(wrapped, x, y)  # weights differ per rank until the broadcast
-    result["in_order"] = {"events": [list(e) for e in events], "grads": flat_grads(wrapped.module)}
+    result["in_order"] = {"events": [list(e) for e in events], "grads": flat_grads(wrapped.module),
+                          "same_storage": [storage[i] == p.grad.data_ptr()
+                                           for i, p in enumerate(wrapped.module.parameters())]}
     wrapped.module.zero_grad(set_to_none=True)
     events.clear()
     synchronised_backward(wrapped, x, y)
@@ -239,6 +244,10 @@ def reducer_section(ctx, seed: int, group) -> dict:
     used_here = rank == 0
     synchronised_backward(wrapped, x, y, unused=[] if used_here else SPARE, use_spare=used_here)
     result["rank_0_used"] = {"grads": grads_of(wrapped.module)}
+    wrapped.module.zero_grad(set_to_none=True)
+    used_here = ctx.rank == 1  # global rank 1: on subgroups, ranks 0 and 2 do not see its use
+    synchronised_backward(wrapped, x, y, unused=[] if used_here else SPARE, use_spare=used_here)
+    result["global_rank_1_used"] = {"grads": grads_of(wrapped.module)}
     wrapped.module.zero_grad(set_to_none=True)
     x2, y2 = checks.shard_of_step(ctx, 1, 4 * world, seed, group)
     synchronised_backward(wrapped, x, y, sync=False, use_spare=True)  # a no_sync micro-batch
@@ -332,6 +341,8 @@ def no_sync_decision_section(ctx, seed: int, group) -> dict:
         recorder(x)
     result["starts_per_forward"] = (recorder.starts - before) / 3
     result["output_unchanged"] = bool(torch.equal(recorder(x), recorder.module(x)))
+    spare = SyncRecorder(checks.build(checks.SpareMLP, seed, ctx.device), process_group=group)
+    result["keywords_passed"] = bool(torch.equal(spare(x, use_spare=False), spare.module(x, use_spare=False)))
     with torch.no_grad():
         recorder(x)
     result["no_grad_decision"] = bool(recorder._sync_this_backward)
@@ -463,12 +474,14 @@ def two_head_local(seed: int, world_size: int, rank: int, micro_batches: list[tu
 
 
 @functools.cache  # the tests ask for the same references again and again
-def spare_expected(seed: int, world_size: int, case: str) -> list:
+def spare_expected(seed: int, world_size: int, case: str, users: tuple[int, ...] = ()) -> list:
     """What torch DDP with find_unused_parameters=True leaves in .grad for each reducer case
-    (SpareMLP's, then TwoHeadMLP's "aux_..."): the sum over ranks of what each contributed (its
+    (SpareMLP's, then TwoHeadMLP's "aux_..."; "used_by": the group ranks `users` ran the spare
+    layer): the sum over ranks of what each contributed (its
     gradient, zero where it had none) / p, except a parameter no rank used: .grad stays None."""
     plans = {"no_rank_used": lambda r: [(0, False)],
              "rank_0_used": lambda r: [(0, r == 0)],
+             "used_by": lambda r: [(0, r in users)],
              "used_under_no_sync": lambda r: [(0, True), (1, False)],
              "aux_left_out": lambda r: [(0, False)],
              "aux_on_rank_0": lambda r: [(0, r == 0)]}
