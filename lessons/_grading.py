@@ -26,6 +26,8 @@ import traceback
 import unittest
 from pathlib import Path
 
+from lessons._testing import selecting
+
 INTEGRATION = "integration"
 
 
@@ -196,16 +198,17 @@ def grade(tests_dir: str, exercise: str | list[str] | None = None,
         wanted = {exercise} if isinstance(exercise, str) else set(exercise)
         tests = [t for t in tests if criterion_of(t) in wanted or t in broken]
     recorder = _Recorder(first_failure)
-    if not first_failure:
-        unittest.TestSuite(tests).run(recorder)
-    else:
-        for group in _by_class(tests):  # one suite per class: its fixtures run inside it
-            if {criterion_of(t) for t in group} <= recorder.failed_criteria:
-                for test in group:
-                    recorder.outcomes[test.id()] = {"id": test.id(), "criterion": criterion_of(test),
-                                                    "outcome": "not run", "message": NOT_RUN}
-                continue
-            unittest.TestSuite(group).run(recorder)
+    with selecting(None if exercise is None else frozenset(wanted)):
+        if not first_failure:
+            unittest.TestSuite(tests).run(recorder)
+        else:
+            for group in _by_class(tests):  # one suite per class: its fixtures run inside it
+                if {criterion_of(t) for t in group} <= recorder.failed_criteria:
+                    for test in group:
+                        recorder.outcomes[test.id()] = {"id": test.id(), "criterion": criterion_of(test),
+                                                        "outcome": "not run", "message": NOT_RUN}
+                    continue
+                unittest.TestSuite(group).run(recorder)
     class_errors = {key: entry["message"] for key, entry in recorder.outcomes.items()
                     if not any(key == t.id() for t in tests)}  # setUpClass (pkg.Class) etc.
     outcomes = [entry for key, entry in recorder.outcomes.items() if key not in class_errors]

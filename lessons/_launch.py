@@ -187,6 +187,13 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.2)
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `text` to `path` so that a reader finds the old file or the new one, never half."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _child_main(rank: int, spec: dict) -> None:
     """Entry point of one spawned rank (runs in the child process)."""
     run_dir = Path(spec["run_dir"])
@@ -224,9 +231,12 @@ def _child_main(rank: int, spec: dict) -> None:
             pickle.dump(result, handle)
         os.replace(tmp, run_dir / f"rank{rank}.result")
     except BaseException as exc:  # report every failure, then exit non-zero
-        summary = (f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
-                   + raised_at(exc.__traceback__))
-        (run_dir / f"rank{rank}.error").write_text(summary + "\n" + traceback.format_exc())
+        # The error's first line at once: naming where it was raised reads source files
+        # (linecache), slow on a loaded machine, and the deadline may kill us meanwhile.
+        summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]
+        _write_atomically(run_dir / f"rank{rank}.error", summary + "\n")
+        _write_atomically(run_dir / f"rank{rank}.error", summary + raised_at(exc.__traceback__)
+                          + "\n" + traceback.format_exc())
         stack_file.flush()
         os._exit(1)
     faulthandler.cancel_dump_traceback_later()

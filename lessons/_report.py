@@ -79,8 +79,10 @@ def float_in(low: float, high: float | None = None) -> Callable[[str], float]:
     return parse
 
 
-def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 64) -> argparse.ArgumentParser:
-    """The flags every multi-process lesson shares (COURSE.md, 'main.py').
+def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 64,
+                  faults: tuple[str, ...] = FAULTS) -> argparse.ArgumentParser:
+    """The flags every multi-process lesson shares (COURSE.md, 'main.py'). `faults`: the
+    choices of --fault (a lesson that injects more kinds of failure lists them).
 
     A lesson adds its own flags with `parser.add_argument`; `--help` lists them first (under
     "options"), then the shared run flags, then the plumbing (report, deadline, fault
@@ -99,7 +101,7 @@ def lesson_parser(description: str, world_size: int = 4, max_world_size: int = 6
     plumbing.add_argument("--json", type=Path, metavar="PATH", help="write the report as JSON")
     plumbing.add_argument("--timeout", type=float_in(1.0, 3600.0), default=60.0,
                           help="per-rank deadline in seconds (default 60)")
-    plumbing.add_argument("--fault", choices=FAULTS,
+    plumbing.add_argument("--fault", choices=faults,
                           help="make one rank fail on purpose, to see how the run ends")
     plumbing.add_argument("--fault-rank", type=int_in(0), default=0,
                           help="the rank --fault applies to (default 0)")

@@ -27,6 +27,26 @@ class SharedLaunchFailed(AssertionError):
     """A shared launch that failed once, reported again without being retried."""
 
 
+_SELECTED: dict[str, frozenset[str] | None] = {"exercises": None}
+
+
+def selected_exercises() -> frozenset[str] | None:
+    """The exercises the grader is running alone (`course grade --exercise`, a planted bug, a
+    mutant), or None when the whole suite runs. A suite that shares one launch among all its
+    exercises launches only the selected ones' workers instead (the rest would be wasted)."""
+    return _SELECTED["exercises"]
+
+
+@contextlib.contextmanager
+def selecting(exercises: frozenset[str] | None):
+    """Within: `selected_exercises()` is `exercises` (the grader's side)."""
+    previous, _SELECTED["exercises"] = _SELECTED["exercises"], exercises
+    try:
+        yield
+    finally:
+        _SELECTED["exercises"] = previous
+
+
 def launch_once(fn: Callable) -> Callable:
     """`functools.cache` for a suite's shared launches that also remembers a failure: the first
     caller gets the error (a hang costs its deadline once), every later test of the class or of
@@ -152,6 +172,68 @@ def rank_error(outputs: list[str]) -> str:
         r"^(?:\[[^\]]*\]:?\s*)?((?:[A-Za-z_.]+)?(?:Error|Exception|Interrupt)\b: .+)$", text, re.MULTILINE)
         if "ChildFailedError" not in line]
     return raised[0] if raised else "no rank printed an error (see the output below)"
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live process below `pid` (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (Linux /proc)."""
+    try:
+        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+    except OSError:
+        return False
+
+
+def rank_of(pid: int) -> int | None:
+    """A launcher child's rank, read from the per-rank stack file it keeps open."""
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd)
+            if target.endswith(".stacks") and "/rank" in target:
+                return int(target.rsplit("/rank", 1)[1].split(".")[0])
+    except OSError:
+        return None
+    return None
+
+
+def spawned_workers(pid: int) -> list[int]:
+    """Descendants that are launcher ranks: processes holding a rank's stack file open (forked
+    from the forkserver or spawned; not the forkserver itself, not the resource tracker)."""
+    return [child for child in descendants(pid) if rank_of(child) is not None]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (a test's unique directory: torchrun
+    agents and their workers carry it in their arguments)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if text in cmdline and alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
 
 
 def _loopback_name() -> str:

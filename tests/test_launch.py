@@ -14,57 +14,11 @@ from pathlib import Path
 from unittest import mock
 
 from lessons._launch import WorkerError, choose_device, launch
+from lessons._testing import alive, rank_of, spawned_workers
 from tests import _launch_workers as workers
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LESSON01 = REPO_ROOT / "lessons" / "01_collectives" / "main.py"
-
-
-def descendants(pid: int) -> list[int]:
-    """PIDs of every live process below `pid` (Linux /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def alive(pid: int) -> bool:
-    """The process exists and is not a zombie (Linux /proc)."""
-    try:
-        return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
-    except OSError:
-        return False
-
-
-def spawned_workers(pid: int) -> list[int]:
-    """Descendants that are launcher ranks: processes holding a rank's stack file open (forked
-    from the forkserver or spawned; not the forkserver itself, not the resource tracker)."""
-    return [child for child in descendants(pid) if rank_of(child) is not None]
-
-
-def rank_of(pid: int) -> int | None:
-    """A launcher child's rank, read from the per-rank stack file it keeps open."""
-    try:
-        for fd in Path(f"/proc/{pid}/fd").iterdir():
-            target = os.readlink(fd)
-            if target.endswith(".stacks") and "/rank" in target:
-                return int(target.rsplit("/rank", 1)[1].split(".")[0])
-    except OSError:
-        return None
-    return None
 
 
 @unittest.skipUnless(sys.platform.startswith("linux"), "uses /proc")

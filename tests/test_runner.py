@@ -10,8 +10,8 @@ import time
 import unittest
 from pathlib import Path
 
+from lessons._testing import alive, descendants
 from tests._course import REPO_ROOT, lessons
-from tests.test_launch import alive, descendants
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -96,10 +96,11 @@ def dense_reference(seed: int, hidden: int, heads: int, x: torch.Tensor) -> tupl
 def saved_tensor_bytes(exclude: list[torch.Tensor]):
     """Count the bytes autograd saves for backward inside the block: every distinct storage
     packed by a saved-tensor hook, except those of `exclude` (the parameters). Yields a dict
-    whose "bytes" is filled in at exit. Views share their base's storage and count once."""
+    whose "bytes" (and "storages", data pointer -> bytes) is filled in at exit. Views share
+    their base's storage and count once."""
     skip = {t.untyped_storage().data_ptr() for t in exclude}
     storages: dict[int, int] = {}
-    result = {"bytes": 0}
+    result = {"bytes": 0, "storages": storages}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
@@ -112,14 +113,17 @@ def saved_tensor_bytes(exclude: list[torch.Tensor]):
     result["bytes"] = sum(storages.values())
 
 
-def all_gather_cat(x: torch.Tensor, world: int, dim: int) -> torch.Tensor:
-    """Every rank's `x` concatenated along `dim` (torch's all_gather: a check, not the lesson)."""
+def all_gather_cat(x: torch.Tensor, world: int, dim: int,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Every rank's `x` (of `group`, world ranks) concatenated along `dim` (torch's
+    all_gather: a check, not the lesson)."""
     pieces = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(pieces, x.contiguous())
+    dist.all_gather(pieces, x.contiguous(), group=group)
     return torch.cat(pieces, dim=dim)
 
 
-def gather_gradients(block: tensor_parallel.TensorParallelBlock, world: int) -> dict:
+def gather_gradients(block: tensor_parallel.TensorParallelBlock, world: int,
+                     group: dist.ProcessGroup | None = None) -> dict:
     """The dense block's gradients rebuilt from this rank's shards: column-parallel weights and
     biases split by rows (QKV fused: rank r holds [q_r; k_r; v_r]), row-parallel weights by
     columns, the rest replicated. Keys are the dense block's parameter names."""
@@ -127,13 +131,13 @@ def gather_gradients(block: tensor_parallel.TensorParallelBlock, world: int) -> 
     for name, param in block.named_parameters():
         layer, kind = name.split(".")
         if layer in ("o", "down") and kind == "weight":
-            grads[name] = all_gather_cat(param.grad, world, dim=1)
+            grads[name] = all_gather_cat(param.grad, world, 1, group)
         elif layer == "qkv":
-            pieces = [piece.chunk(3) for piece in all_gather_cat(param.grad, world, 0).chunk(world)]
+            pieces = [piece.chunk(3) for piece in all_gather_cat(param.grad, world, 0, group).chunk(world)]
             for index, dense_name in enumerate("qkv"):
                 grads[f"{dense_name}.{kind}"] = torch.cat([piece[index] for piece in pieces])
         elif layer == "up":
-            grads[name] = all_gather_cat(param.grad, world, dim=0)
+            grads[name] = all_gather_cat(param.grad, world, 0, group)
         else:
             grads[name] = param.grad
     return grads
@@ -158,14 +162,15 @@ def run_block(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int, he
         y = block(local_x)
     forward_bytes = tp.traffic.bytes_sent
     (y * loss_weights(x.shape, device)[rows]).sum().backward()
-    if sequence_parallel:
+    sent = tp.traffic.bytes_sent  # the activations' collectives, forward and backward
+    if sequence_parallel:  # once per step (here the step's only micro-batch and block)
         tensor_parallel.all_reduce_sequence_parallel_grads(block)
-    sent = tp.traffic.bytes_sent
+    grad_sent = tp.traffic.bytes_sent - sent
     grads = gather_gradients(block, world)
     grads["input"] = all_gather_cat(local_x.grad, world, 0) if sequence_parallel else local_x.grad
     output = all_gather_cat(y.detach(), world, 0) if sequence_parallel else y.detach()
     return {"output": output, "grads": grads, "sent": sent, "forward_sent": forward_bytes,
-            "saved": saved["bytes"]}
+            "grad_sent": grad_sent, "saved": saved["bytes"]}
 
 
 def check_form(form: str, run: dict, reference: tuple, seq: int, batch: int, hidden: int,
@@ -180,15 +185,21 @@ def check_form(form: str, run: dict, reference: tuple, seq: int, batch: int, hid
                                               save_shard)
     saved = tensor_parallel.saved_activation_bytes(seq, batch, hidden, heads, world, 8,
                                                    sequence_parallel, save_shard)
-    return [
+    checks = [
         Check(f"{label}: output == dense block", out_gap <= TOLERANCE, f"max |diff| {out_gap:.1e}"),
         Check(f"{label}: every gradient (and dX) == dense block", grad_gap <= TOLERANCE,
               f"max |diff| {grad_gap:.1e} over {len(grads_ref)} tensors"),
-        Check(f"{label}: bytes sent per block (fwd+bwd) == formula", run["sent"] == sent,
+        Check(f"{label}: activation bytes sent per block (fwd+bwd) == formula", run["sent"] == sent,
               f"{run['sent']} B counted ({run['forward_sent']} forward), {sent} B formula"),
         Check(f"{label}: bytes saved for backward == formula", run["saved"] == saved,
               f"{run['saved']} B saved, {saved} B formula"),
     ]
+    if sequence_parallel:
+        grad_sent = tensor_parallel.sp_grad_all_reduce_bytes(hidden, world, 8)
+        checks.append(Check(f"{label}: replicated gradients' all-reduce (once per step) == formula",
+                            run["grad_sent"] == grad_sent,
+                            f"{run['grad_sent']} B counted, {grad_sent} B formula"))
+    return checks
 
 
 def verify_worker(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int, heads: int,
@@ -202,6 +213,7 @@ def verify_worker(ctx: RankContext, seed: int, seq: int, batch: int, hidden: int
         runs[form] = run_block(ctx, seed, seq, batch, hidden, heads, sequence_parallel, save_shard)
         checks += check_form(form, runs[form], reference, seq, batch, hidden, heads, ctx.world_size)
         metrics[form] = {"bytes": runs[form]["sent"], "forward_bytes": runs[form]["forward_sent"],
+                         "grad_all_reduce_bytes": runs[form]["grad_sent"],
                          "saved_bytes": runs[form]["saved"]}
     kept, shard = runs["sp"], runs["sp_shard_saved"]
     same_out = torch.equal(kept["output"], shard["output"])
@@ -265,8 +277,13 @@ def main(argv: list[str] | None = None) -> int:
                                                             world, False),
         "sp": tensor_parallel.layernorm_activation_elements(args.seq, args.batch, args.hidden,
                                                             world, True)}
-    metrics["headline"] = (f"{metrics['tp']['bytes']} B per block with TP, "
+    block = metrics["tp"]["bytes"]
+    grads = metrics["sp"]["grad_all_reduce_bytes"]
+    metrics["headline"] = (f"activations per block and micro-batch: {block} B with TP, "
                            f"{metrics['sp']['bytes']} B with SP, "
-                           f"{metrics['sp_shard_saved']['bytes']} B with SP saving the shard")
+                           f"{metrics['sp_shard_saved']['bytes']} B with SP saving the shard; "
+                           f"SP's gradient all-reduce once per step: {grads} B"
+                           + (f" ({grads / block:.1%} of one block's activations, only "
+                              f"because s b = {args.seq * args.batch} is tiny)" if block else ""))
     report = Report(LESSON, results[0]["device"], results[0]["backend"], world, checks, metrics)
     return finish(report, args.json, started)

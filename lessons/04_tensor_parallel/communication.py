@@ -64,7 +64,11 @@ class TensorParallelGroup:
         return out
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
-        """(p n, ...) partial sums -> rows [r n, (r+1) n) of their sum: (p-1)/p |x| sent."""
+        """(p n, ...) partial sums -> rows [r n, (r+1) n) of their sum: (p-1)/p |x| sent.
+        A first dimension p does not divide: ValueError naming both (nothing sent)."""
+        if x.shape[0] % self.size:
+            raise ValueError(f"reduce-scatter along dim 0: {x.shape[0]} rows do not split "
+                             f"over {self.size} ranks (the sequence must divide by p)")
         if self.group is None:
             part = collectives.ring_reduce_scatter(x.contiguous().reshape(-1), self.traffic)
             return part.view(x.shape[0] // self.size, *x.shape[1:])

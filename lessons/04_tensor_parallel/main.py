@@ -13,7 +13,8 @@ The story, top to bottom (1-2 in communication.py, the rest here):
    parallel region and a reduce-scatter out of it. First simply (the gathered input stays
    saved for backward), then as Megatron builds it: save the shard and gather it again in
    backward, which reaches Korthikanti et al.'s activation memory.
-6. The cost model: bytes sent and bytes saved for backward per block.
+6. The cost model: bytes sent per block (activations) and per step (the replicated
+   gradients), and bytes saved for backward per block.
 
 The proof is in checks.py: `python lessons/04_tensor_parallel/main.py --world-size 4`.
 """
@@ -148,8 +149,9 @@ class TensorParallelBlock(nn.Module):
 
     Attention: Q, K, V fused column-parallel (rank r owns heads [r H/p, (r+1) H/p)), O
     row-parallel. MLP: up column-parallel, GeLU on the local 4h/p slice, down row-parallel.
-    LayerNorms and the residual stream replicated (their gradients come out the same on every
-    rank). Parameters ln1, ln2, qkv, o, up, down. f enters each region and g leaves it
+    LayerNorms (copies of dense's: no parameter is shared with `dense`) and the residual
+    stream replicated (their gradients come out the same on every rank). Parameters ln1, ln2,
+    qkv, o, up, down. f enters each region and g leaves it
     (`enter`, `leave`: pass them to every parallel linear): 2 all-reduces of s b h forward, 2
     backward. Attributes heads (this rank's H/p) and tp. Heads not divisible by p: ValueError
     "... must be divisible ..." naming both numbers, before anything is built.
@@ -258,7 +260,8 @@ class SequenceParallelBlock(TensorParallelBlock):
     x (s/p, b, h), rows [r s/p, (r+1) s/p) of the sequence -> the same rows of the output. An
     all-gather enters each region and a reduce-scatter leaves it (the bytes of the all-reduces
     they replace). save_shard: save the QKV and up inputs as shards, gather again in backward.
-    After backward, call `all_reduce_sequence_parallel_grads(block)`.
+    After backward (of the step's last micro-batch), call
+    `all_reduce_sequence_parallel_grads(blocks)`.
     """
 
     def __init__(self, dense: nn.Module, tp: TensorParallelGroup, save_shard: bool = False):
@@ -267,15 +270,19 @@ class SequenceParallelBlock(TensorParallelBlock):
 
 
 # exercise sp-conversions (continued)
-def all_reduce_sequence_parallel_grads(block: TensorParallelBlock) -> int:
+def all_reduce_sequence_parallel_grads(blocks: TensorParallelBlock | list[TensorParallelBlock]) -> int:
     """The replicated parameters used on s/p positions (both LayerNorms, the row-parallel
-    biases added after the reduce-scatter) have partial-sum gradients: sum the six h-vectors
-    (ln1, ln2 weight and bias; o.bias, down.bias) with ONE `block.tp.all_reduce` of them
-    flattened (as Megatron-LM's finalize_model_grads does); each .grad becomes its sum (same
-    shape), every other gradient is left alone. Returns how many gradients were reduced."""
-    replicated = [block.ln1.weight, block.ln1.bias, block.ln2.weight, block.ln2.bias,
-                  block.o.bias, block.down.bias]
-    flat = block.tp.all_reduce(torch.cat([p.grad.reshape(-1) for p in replicated]))
+    biases added after the reduce-scatter) have partial-sum gradients: sum each block's six
+    h-vectors (ln1, ln2 weight and bias; o.bias, down.bias), of one block or of a list of
+    blocks sharing one `tp`, with ONE `tp.all_reduce` of them all flattened (as Megatron-LM's
+    finalize_model_grads does, once per optimizer step after the last micro-batch, over
+    every layer); each .grad becomes its sum (same shape), every other gradient is left
+    alone. Returns how many gradients were reduced (6 per block)."""
+    blocks = list(blocks) if isinstance(blocks, (list, tuple)) else [blocks]
+    replicated = [param for block in blocks for param in (
+        block.ln1.weight, block.ln1.bias, block.ln2.weight, block.ln2.bias, block.o.bias,
+        block.down.bias)]
+    flat = blocks[0].tp.all_reduce(torch.cat([p.grad.reshape(-1) for p in replicated]))
     for param, summed in zip(replicated, flat.split([p.numel() for p in replicated])):
         param.grad = summed.view_as(param)
     return len(replicated)
@@ -286,19 +293,26 @@ def all_reduce_sequence_parallel_grads(block: TensorParallelBlock) -> int:
 
 def tp_bytes_per_block(seq: int, batch: int, hidden: int, world: int, itemsize: int,
                        sequence_parallel: bool, save_shard: bool = False) -> int:
-    """Bytes one rank sends for one block's forward + backward over lesson 01's rings.
+    """Activation bytes one rank sends for one block's forward + backward, per micro-batch,
+    over lesson 01's rings.
 
     S = s b h x itemsize. Tensor parallel: 4 all-reduces of S, 4 x 2(p-1)/p x S. Sequence
-    parallel: 4 all-gathers + 4 reduce-scatters, (p-1)/p x S each (the same), plus one
-    all-reduce of 6h (the replicated gradients). save_shard: + 2 all-gathers of S in backward.
+    parallel: 4 all-gathers + 4 reduce-scatters of S, (p-1)/p x S each: the same bytes.
+    save_shard (sequence parallel only): + 2 all-gathers of S in backward. The replicated
+    gradients' all-reduce is not here: it runs once per step (`sp_grad_all_reduce_bytes`).
     """
+    if save_shard and not sequence_parallel:
+        raise ValueError("save_shard is a form of sequence parallelism")
     activation = collectives.ring_bytes_sent(seq * batch * hidden, itemsize, world, 0)
-    total = 4 * activation["all_reduce"]
-    if sequence_parallel:
-        total += collectives.ring_bytes_sent(6 * hidden, itemsize, world, 0)["all_reduce"]
-    if save_shard:
-        total += 2 * activation["all_gather"]
-    return total
+    return 4 * activation["all_reduce"] + (2 * activation["all_gather"] if save_shard else 0)
+
+
+def sp_grad_all_reduce_bytes(hidden: int, world: int, itemsize: int, blocks: int = 1) -> int:
+    """Bytes one rank sends summing sequence parallelism's replicated gradients: ONE all-reduce
+    per optimizer step of the 6h vectors (2 LayerNorms' weight and bias, 2 row-parallel
+    biases) of all `blocks` flattened together (Megatron-LM's finalize_model_grads), after
+    the last micro-batch: 2(p-1)/p x 6 h blocks x itemsize, whatever the micro-batches."""
+    return collectives.ring_bytes_sent(6 * hidden * blocks, itemsize, world, 0)["all_reduce"]
 
 
 def saved_activation_bytes(seq: int, batch: int, hidden: int, heads: int, world: int,
@@ -309,7 +323,8 @@ def saved_activation_bytes(seq: int, batch: int, hidden: int, heads: int, world:
     GeLU's input and output 8: 16 (Korthikanti et al.'s 34 bytes in 16-bit are these 32 plus
     two dropout masks). Not split by p: TP 4, SP keeping the gathered input 2, SP saving the
     shard 0; the rest is /p. Plus the softmax output a s^2 b / p, LayerNorm mean and 1/std
-    4 s b (/p under SP) and the s x s boolean causal mask (1 byte each).
+    4 s b (/p under SP) and the s x s boolean causal mask (1 byte each): naive attention's
+    (flash attention saves neither, only a log-sum-exp per head and query).
     """
     sbh = seq * batch * hidden
     replicated = 4 if not sequence_parallel else 0 if save_shard else 2  # s b h units not split

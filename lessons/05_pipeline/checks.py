@@ -36,16 +36,19 @@ LAYERS, WIDTH, ROWS = 12, 16, 4  # the model: 12 x (Linear(16, 16), Tanh); 4 row
 # ============================================================================ the simulator
 
 
-def simulation_report(stages: int, microbatches: int, chunks: int) -> tuple[list[Check], dict]:
-    """Simulate the four schedules; compare bubbles and in-flight peaks with the closed forms,
-    and the real pipeline's message plans with the rendezvous model."""
+def simulation_report(stages: int, microbatches: int, chunks: int,
+                      group: int | None = None) -> tuple[list[Check], dict]:
+    """Simulate the four schedules (interleaved with micro-batch groups of `group`, default
+    p); compare bubbles and in-flight peaks with the closed forms, and the real pipeline's
+    message plans with the rendezvous model."""
     checks: list[Check] = []
     metrics: dict = {"bubble_interleaved": None, "peak_inflight_interleaved": None}
     p, m, v = stages, microbatches, chunks
+    timelines = {}
     for kind in pipeline.SCHEDULES:
-        if kind == "interleaved" and (v < 2 or m % p):
+        if kind == "interleaved" and v < 2:
             continue
-        timeline = pipeline.simulate_schedule(kind, p, m, v)
+        timelines[kind] = timeline = pipeline.simulate_schedule(kind, p, m, v, group)
         metrics[f"bubble_{kind}"] = bubble = timeline.bubble_fraction
         metrics[f"peak_inflight_{kind}"] = timeline.peak_inflight()
         if kind == "zb_h1" and m < p:
@@ -62,13 +65,17 @@ def simulation_report(stages: int, microbatches: int, chunks: int) -> tuple[list
         pipeline.peak_inflight_closed_form("1f1b", p, m, 1, d) for d in range(p)],
         "stages 0..p-1 hold " + ", ".join(f"{h:g}" for h in held)))
     if metrics["peak_inflight_interleaved"] is not None:
-        expected = pipeline.peak_inflight_closed_form("interleaved", p, m, v)
-        checks.append(Check("interleaved: device 0 holds p + (p-1)/v stages' worth",
+        expected = pipeline.peak_inflight_closed_form("interleaved", p, m, v, 0, group)
+        checks.append(Check("interleaved: device 0 holds (2(p-1) + (v-1)N + 1)/v stages' worth",
                             metrics["peak_inflight_interleaved"] == expected,
-                            f"{metrics['peak_inflight_interleaved']:g} simulated, {expected:g} formula"))
-    checks.append(Check("ZB-H1 keeps 1F1B's peak memory", metrics["peak_inflight_zb_h1"]
-                        <= metrics["peak_inflight_1f1b"],
-                        f"ZB-H1 {metrics['peak_inflight_zb_h1']:g} micro-batches"))
+                            f"{metrics['peak_inflight_interleaved']:g} simulated, {expected:g} "
+                            f"formula (N = {group or p})"))
+    zb = [timelines["zb_h1"].peak_inflight(d) for d in range(p)]
+    checks.append(Check("ZB-H1: every device holds min(p, m), device 0 no more than 1F1B's",
+                        zb == [pipeline.peak_inflight_closed_form("zb_h1", p, m, 1, d) for d in range(p)]
+                        and zb[0] == held[0],
+                        "stages 0..p-1 hold " + ", ".join(f"{h:g}" for h in zb)
+                        + f" (1F1B's device 0: {held[0]:g})"))
     for kind in ("gpipe", "1f1b"):
         plans = [pipeline.p2p_plan(order, d, p) for d, order in enumerate(
             pipeline.schedule_order(kind, p, m))]
@@ -266,7 +273,10 @@ def parse_args(argv: list[str] | None = None):
                         help="micro-batches M (default 8)")
     parser.add_argument("--chunks", type=int_in(1, 16), default=None,
                         help="model chunks per device V for interleaved 1F1B (default 2 when "
-                             "--microbatches is a multiple of --stages, else 1: no interleaving)")
+                             "interleaving accepts --microbatches, else 1: no interleaving)")
+    parser.add_argument("--group", type=int_in(1, 4096), default=None,
+                        help="interleaved 1F1B's micro-batch group N (Megatron-LM's "
+                             "microbatch_group_size_per_vp_stage; default: the stages)")
     parser.add_argument("--plots", type=Path, default=None,
                         help="directory for one Gantt chart PNG per schedule")
     args = parser.parse_args(argv)
@@ -275,24 +285,36 @@ def parse_args(argv: list[str] | None = None):
         parser.error(f"the world size {world} must divide the model's {LAYERS} layers")
     if args.stages is None:
         args.stages = world
+    problem = interleaving_problem(args.stages, args.microbatches, args.group)
     if args.chunks is None:
-        args.chunks = 1 if args.microbatches % args.stages else 2
-    if args.chunks > 1 and args.microbatches % args.stages:
-        parser.error(f"--microbatches {args.microbatches} must be a multiple of --stages "
-                     f"{args.stages} for interleaved 1F1B (or use --chunks 1)")
+        args.chunks = 1 if problem and args.group is None else 2
+    if args.chunks > 1 and problem:
+        parser.error(f"{problem} (or use --chunks 1)")
+    if args.group is not None and args.chunks == 1:
+        parser.error("--group is interleaved 1F1B's micro-batch group: it needs --chunks 2 or more")
     return args
+
+
+def interleaving_problem(stages: int, microbatches: int, group: int | None) -> str | None:
+    """Why interleaved 1F1B refuses these sizes (schedules.interleaved_order's rules), or None."""
+    try:
+        pipeline.schedule_order("interleaved", stages, microbatches, 2, group)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    checks, metrics = simulation_report(args.stages, args.microbatches, args.chunks)
+    checks, metrics = simulation_report(args.stages, args.microbatches, args.chunks, args.group)
     if args.plots is not None:
         args.plots.mkdir(parents=True, exist_ok=True)
         for kind in pipeline.SCHEDULES:
-            if kind == "interleaved" and (args.chunks < 2 or args.microbatches % args.stages):
+            if kind == "interleaved" and args.chunks < 2:
                 continue
-            plot_gantt(pipeline.simulate_schedule(kind, args.stages, args.microbatches, args.chunks),
+            plot_gantt(pipeline.simulate_schedule(kind, args.stages, args.microbatches, args.chunks,
+                                                  args.group),
                        f"{kind}, p={args.stages}, m={args.microbatches}", args.plots / f"{kind}.png")
     world, device, backend = 1, "cpu", "none"
     if not args.simulate:

@@ -125,11 +125,12 @@ def simulate(orders: list[list[Op]], chunks: int = 1, t_f: float = 1.0, t_b: flo
     return Timeline(stages, chunks, rows)
 
 
-def simulate_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Timeline:
+def simulate_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1,
+                      group: int | None = None) -> Timeline:
     """A named schedule simulated with F = 1, B = 2 (ZB-H1: F = B = W = 1)."""
     if kind == "zb_h1":
         return simulate(zb_h1_order(stages, microbatches), 1, 1.0, 1.0, 1.0)
-    return simulate(schedule_order(kind, stages, microbatches, chunks),
+    return simulate(schedule_order(kind, stages, microbatches, chunks, group),
                     chunks if kind == "interleaved" else 1)
 
 
@@ -139,9 +140,10 @@ def simulate_schedule(kind: str, stages: int, microbatches: int, chunks: int = 1
 # exercise closed-forms (3 points): Bubble and peak activations in closed form
 # hint: the bubble is a share of the TOTAL time: idle / (ideal + idle), not idle / ideal.
 def bubble_closed_form(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
-    """Bubble as a share of total time (t_B = 2 t_F; for ZB-H1 t_F = t_B = t_W):
-    GPipe and 1F1B (p-1)/(m+p-1); interleaved ((p-1)/v) / (m + (p-1)/v), i.e. Megatron's
-    (1/v)(p-1)/m relative to the ideal time; ZB-H1 (p-1)/(3m + p-1), a third of 1F1B's bubble
+    """Bubble as a share of total time (t_B = 2 t_F; for ZB-H1 t_F = t_B = t_W; balanced
+    stages, free communication): GPipe and 1F1B (p-1)/(m+p-1); interleaved ((p-1)/v) /
+    (m + (p-1)/v), i.e. Megatron's (1/v)(p-1)/m relative to the ideal time, whatever the
+    micro-batch group Megatron's rules allow; ZB-H1 (p-1)/(3m + p-1), a third of 1F1B's bubble
     time (p-1)(t_F + t_B - t_W) instead of (p-1)(t_F + t_B + t_W). Unknown kind, or ZB-H1 with
     m < p (where the form does not hold): ValueError."""
     p, m, v = stages, microbatches, chunks
@@ -158,24 +160,31 @@ def bubble_closed_form(kind: str, stages: int, microbatches: int, chunks: int = 
 
 # exercise closed-forms (continued)
 def peak_inflight_closed_form(kind: str, stages: int, microbatches: int, chunks: int = 1,
-                              device: int = 0) -> float:
+                              device: int = 0, group: int | None = None) -> float:
     """Micro-batches' activations (in whole stages) device d holds at its peak.
 
-    GPipe m. 1F1B and ZB-H1 min(p-d, m): d's warm-up forwards plus one. Interleaved: the
-    (p-d-1) x 2 + (v-1) x p warm-up chunk forwards plus one, each 1/v of a stage, so device 0
-    holds p + (p-1)/v (capped at the m v chunks there are, i.e. m). Unknown kind: ValueError."""
+    GPipe m. 1F1B min(p-d, m): d's warm-up forwards plus one. ZB-H1 min(p, m) on every
+    device: W frees a micro-batch's memory, and W waits until the cap of p forces it (after
+    B, a micro-batch holds only what W needs, less than what B needs). Interleaved with
+    micro-batch groups of N (`group`, default p): the (p-d-1) x 2 + (v-1) x N warm-up chunk
+    forwards plus one, each 1/v of a stage, so device 0 holds p + (p-1)/v at N = p (capped
+    at the m v chunks there are, i.e. m). Unknown kind: ValueError."""
     p, m, v, d = stages, microbatches, chunks, device
     if kind == "gpipe":
         return m
-    if kind in ("1f1b", "zb_h1"):
+    if kind == "1f1b":
         return min(p - d, m)
+    if kind == "zb_h1":
+        return min(p, m)
     if kind == "interleaved":
-        return min((p - d - 1) * 2 + (v - 1) * p + 1, m * v) / v
+        n = p if group is None else group
+        return min((p - d - 1) * 2 + (v - 1) * n + 1, m * v) / v
     raise ValueError(f"unknown schedule {kind!r}")
 
 
 def microbatch_count(global_batch: int, data_parallel: int, micro_batch: int) -> int:
-    """m = global batch / (data-parallel size x micro-batch size) (Megatron-LM's rule): every
+    """m = global batch / (data-parallel size x micro-batch size) (Megatron-LM's
+    ConstantNumMicroBatchesCalculator, which asserts the division is exact): every
     data-parallel replica runs m micro-batches per step. A fixed global batch spread over more
     replicas leaves fewer micro-batches per pipeline, so a larger bubble (p-1)/(m+p-1)."""
     if global_batch % (data_parallel * micro_batch):

@@ -8,7 +8,8 @@ the input gradient); W, the weight gradient. Simplest first, each buying somethi
 1. GPipe (`gpipe_order`): all forwards, then all backwards; holds all m micro-batches;
 2. 1F1B (`one_f_one_b_order`, by `warmup_then_alternate`): start backwards as soon as
    possible; holds at most p micro-batches, with GPipe's bubble;
-3. interleaved 1F1B (`interleaved_order`): v model chunks per device, a bubble v times smaller;
+3. interleaved 1F1B (`interleaved_order`): v model chunks per device, a bubble v times smaller,
+   micro-batches taken in groups of p (or of N, as Megatron-LM allows);
 4. ZB-H1 (`zb_h1_order`): backward split into B and W, and W fills the bubble.
 
 `schedule_order` names them. These are pure lists; main.py measures them (a simulator and
@@ -56,12 +57,14 @@ def warmup_then_alternate(forwards: list[Op], backwards: list[Op], warmup: int) 
 
 # exercise one-f-one-b (continued)
 def one_f_one_b_order(stages: int, microbatches: int) -> list[list[Op]]:
-    """1F1B (PipeDream-Flush, Narayanan et al. 2021): one list of 2m ops per device.
+    """1F1B (PipeDream's one-forward-one-backward, flushed at the end of every step as in
+    PipeDream-Flush, Narayanan et al. 2020): one list of 2m ops per device.
 
     Device d warms up with min(p-d-1, m) forwards, then F B F B ..., then drains: forwards
     and backwards each in micro-batch order (Op("F", i), Op("B", i), chunk 0). Device d holds
     at most min(p-d, m) micro-batches' activations (p on device 0) where GPipe holds m: the
-    bubble is the same.
+    bubble is the same. The warm-up is a choice: the fewest forwards that keep GPipe's
+    bubble (one fewer stalls the pipeline; one more only holds more).
     """
     forwards = [Op("F", i) for i in range(microbatches)]
     backwards = [Op("B", i) for i in range(microbatches)]
@@ -69,21 +72,32 @@ def one_f_one_b_order(stages: int, microbatches: int) -> list[list[Op]]:
             for d in range(stages)]
 
 
-def interleaved_order(stages: int, microbatches: int, chunks: int) -> list[list[Op]]:
+def interleaved_order(stages: int, microbatches: int, chunks: int,
+                      group: int | None = None) -> list[list[Op]]:
     """Interleaved 1F1B (Narayanan et al. 2021): device d holds v = `chunks` model chunks
-    (virtual stages d, d+p, d+2p, ...). Micro-batches go through the chunks in groups of p; the
-    k-th forward of a device is micro-batch (k // (p v)) p + k % p on chunk (k // p) % v, and
-    backwards take the chunks in reverse. Warm-up: (p-d-1) x 2 + (v-1) x p chunk forwards (as
-    Megatron-LM's schedules.py), so device 0 holds p + (p-1)/v stages' worth of activations."""
-    if microbatches % stages:
-        raise ValueError(f"interleaved 1F1B needs micro-batches ({microbatches}) to be a "
-                         f"multiple of stages ({stages})")
-    total, group = microbatches * chunks, stages * chunks
-    forwards = [Op("F", (k // group) * stages + k % stages, (k // stages) % chunks)
-                for k in range(total)]
-    backwards = [Op("B", op.microbatch, chunks - 1 - op.chunk) for op in forwards]
+    (virtual stages d, d+p, d+2p, ...). Micro-batches go through the chunks in groups of N =
+    `group` (default p; Megatron-LM's microbatch_group_size_per_vp_stage): micro-batches
+    [g, g+N) run on chunk 0, then on chunk 1, ..., then the next group (the last group takes
+    what is left); backwards take the chunks in reverse. Warm-up: (p-d-1) x 2 + (v-1) x N
+    chunk forwards (as Megatron-LM's schedules.py), so device 0 holds (2(p-1) + (v-1) N + 1)/v
+    stages' worth: p + (p-1)/v at N = p. Megatron's rules, each a ValueError: p <= N <= m,
+    and m mod N is 0 or at least p (a shorter last group stalls the pipeline). At N = p: m a
+    multiple of p."""
+    n = stages if group is None else group
+    if not stages <= n <= microbatches:
+        raise ValueError(f"interleaved 1F1B needs a micro-batch group between the stages "
+                         f"({stages}) and the micro-batches ({microbatches}), got {n}")
+    if 0 < microbatches % n < stages:
+        raise ValueError(f"interleaved 1F1B: micro-batches ({microbatches}) mod group ({n}) must "
+                         f"be 0 or at least the stages ({stages}); with a group of p, a multiple "
+                         "of stages")
+    table = [(i, c) for start in range(0, microbatches, n)
+             for c in range(chunks)
+             for i in range(start, microbatches if start + n >= microbatches else start + n)]
+    forwards = [Op("F", i, c) for i, c in table]
+    backwards = [Op("B", i, chunks - 1 - c) for i, c in table]
     return [warmup_then_alternate(forwards, backwards,
-                                  min((stages - d - 1) * 2 + (chunks - 1) * stages, total))
+                                  min((stages - d - 1) * 2 + (chunks - 1) * n, len(table)))
             for d in range(stages)]
 
 
@@ -93,7 +107,8 @@ def zb_h1_order(stages: int, microbatches: int, t_f: float = 1, t_b: float = 1,
     and W (weight gradient, which nothing downstream waits for). Each device keeps 1F1B's
     order of F and B; a pending W runs when it fits in an idle gap without delaying the next
     F or B, or when starting another F would hold more than `max_inflight` micro-batches
-    (default p, 1F1B's peak), or at the end. Built by simulating that rule with durations
+    (default p, 1F1B's peak on device 0), delaying that F, or at the end. So every device
+    holds min(p, m) micro-batches at its peak. Built by simulating that rule with durations
     t_f, t_b, t_w. (Raising max_inflight alone does not give ZB-H2: its F/B order differs.)"""
     cap = stages if max_inflight is None else max_inflight
     base = [[(op.kind, op.microbatch) for op in order]
@@ -128,6 +143,8 @@ def zb_h1_order(stages: int, microbatches: int, t_f: float = 1, t_b: float = 1,
                 continue
             if best is None or candidate[:2] < best[:2]:
                 best = candidate
+        if best is None:
+            raise ValueError("zb_h1_order: 1F1B's order deadlocks (no device can run its next op)")
         start, d, kind, i = best
         free[d] = start + duration[kind]
         done[(kind, d, i)] = free[d]
@@ -144,8 +161,10 @@ def zb_h1_order(stages: int, microbatches: int, t_f: float = 1, t_b: float = 1,
     return orders
 
 
-def schedule_order(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Op]]:
-    """The per-device order of a named schedule: one list of ops per device."""
+def schedule_order(kind: str, stages: int, microbatches: int, chunks: int = 1,
+                   group: int | None = None) -> list[list[Op]]:
+    """The per-device order of a named schedule: one list of ops per device (`group`: the
+    interleaved schedule's micro-batch group)."""
     if stages < 1 or microbatches < 1 or chunks < 1:
         raise ValueError("stages, micro-batches and chunks must be >= 1")
     if kind == "gpipe":
@@ -153,7 +172,7 @@ def schedule_order(kind: str, stages: int, microbatches: int, chunks: int = 1) -
     if kind == "1f1b":
         return one_f_one_b_order(stages, microbatches)
     if kind == "interleaved":
-        return interleaved_order(stages, microbatches, chunks)
+        return interleaved_order(stages, microbatches, chunks, group)
     if kind == "zb_h1":
         return zb_h1_order(stages, microbatches)
     raise ValueError(f"unknown schedule {kind!r}; use one of {SCHEDULES}")

@@ -27,7 +27,7 @@ from . import atomic_file, exact_resume
 from . import main as checkpointing
 
 data_parallel = importlib.import_module("lessons.02_data_parallel.main")  # lesson 02's technique
-zero = importlib.import_module("lessons.03_zero.main")  # lesson 03's technique: ZeroAdam
+zero = importlib.import_module("lessons.03_zero.main")  # lesson 03's technique: ZeroStage1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +71,10 @@ class ZeroTrainer:
         self.config, self.rank, self.world = config, rank, world
         self.device = torch.device(device)
         self.model = data_parallel.make_model(config.seed).to(self.device)
-        self.zero = zero.ZeroAdam(self.model, stage=1, lr=config.lr)
+        self.zero = zero.ZeroStage1(self.model.named_parameters(), torch.optim.Adam, lr=config.lr,
+                                    foreach=False)  # Adam's states sharded over the ranks
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.zero.optimizer, exact_resume.cosine_with_warmup(config.warmup, config.steps))
+            self.zero, exact_resume.cosine_with_warmup(config.warmup, config.steps))
         self.scaler = torch.amp.GradScaler(self.device.type, init_scale=2.0**10, growth_interval=3)
         self.cursor = exact_resume.DataCursor(config.dataset, config.batch, config.seed)
         self.step = 0
@@ -91,7 +92,7 @@ class ZeroTrainer:
         self.zero.zero_grad()
         loss = F.mse_loss(self.model(x), y) * weight
         self.scaler.scale(loss).backward()
-        self.zero.step(self.scaler)
+        self.scaler.step(self.zero)  # the unscale and the inf/nan skip, the same on every rank
         self.scaler.update()
         self.scheduler.step()
         self.step += 1
@@ -112,7 +113,7 @@ class ZeroTrainer:
         return {"rank": self.rank, "world_size": self.world,
                 "fingerprint": self.config.fingerprint(), "params": params, "exp_avg": exp_avg,
                 "exp_avg_sq": exp_avg_sq, "adam_step": adam_step,
-                **exact_resume.exact_resume_state(self.step, self.zero.optimizer, self.scheduler,
+                **exact_resume.exact_resume_state(self.step, self.zero, self.scheduler,
                                                    self.scaler, self.cursor, self.device)}
 
     def load_shards(self, shards: list[dict]) -> None:
@@ -130,7 +131,7 @@ class ZeroTrainer:
                        for key in ("exp_avg", "exp_avg_sq")}}
         same_layout = len(shards) == self.world
         self.step = exact_resume.restore_exact_resume_state(
-            shards[self.rank] if same_layout else shards[0], self.zero.optimizer, self.scheduler,
+            shards[self.rank] if same_layout else shards[0], self.zero, self.scheduler,
             self.scaler, self.cursor, self.device, restore_rng=same_layout)
 
     def param_sha256(self) -> str:

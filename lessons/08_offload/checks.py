@@ -18,7 +18,6 @@ import sys
 import time
 
 import torch
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lessons._checks import best_time, synchronize

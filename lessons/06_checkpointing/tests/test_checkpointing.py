@@ -203,7 +203,8 @@ class TestCommit(TmpDir):
     def test_write_shard_writes_its_file_atomically_and_returns_its_entry(self):
         for rank, payload in ((1, b"payload"), (2, b"")):  # an empty shard is still a shard
             calls = []
-            with mock.patch.object(M, "atomic_write_bytes", lambda p, d: calls.append((Path(p), d))):
+            record = calls.append
+            with mock.patch.object(M, "atomic_write_bytes", lambda p, d, record=record: record((Path(p), d))):
                 entry = M.write_shard(self.dir, rank, 3, payload)
             name = f"shard-0000{rank}-of-00003.pt"
             self.assertEqual(calls, [(self.dir / name, payload)], f"rank {rank} of 3: the write")
@@ -378,7 +379,7 @@ class TestCheckpointerAgreement(unittest.TestCase):
                          [0, 1], "group ranks of global ranks 1 and 2")
 
     def test_without_failures_group_rank_0_commits_every_save_with_every_rank(self):
-        for layout, where, run in self.runs(None):
+        for _layout, where, run in self.runs(None):
             with self.subTest(where):
                 self.assertEqual(run["errors"], [None, None], f"{where}: no save may fail")
                 size = run["size"]
@@ -414,7 +415,7 @@ class TestCheckpointerAgreement(unittest.TestCase):
                                  f"the same message on every rank: {messages}")
 
     def test_a_failed_commit_raises_on_every_rank(self):
-        for layout, where, run in self.runs("commit"):
+        for _layout, where, run in self.runs("commit"):
             with self.subTest(where):
                 self.assertEqual([commit["step"] for commit in run["commits"]],
                                  [1] if run["group_rank"] == 0 else [],
@@ -573,7 +574,8 @@ class TestProtocolTogether(TmpDir):
 
     def test_the_damage_checks_refuse_a_checkpoint_our_commit_wrote(self):
         step_dir = C.save_single(self.dir / "ck", 5, keep=10, world=3)
-        failed = [f"{c.name}: {c.detail}" for c in C.corrupt_and_expect(step_dir, self.dir, 3) if not c.passed]
+        failed = [f"{c.name}: {c.detail}" for c in C.corrupt_and_expect(step_dir, self.dir, 3)
+                  if not c.passed]
         self.assertEqual(failed, [], "damaged copies of a checkpoint our commit wrote (3 ranks)")
 
     def test_export_round_trip_and_failures(self):
@@ -759,7 +761,8 @@ class TestDemo(unittest.TestCase):
                                            "--json", f"{tmp}/k.json")
             self.assertEqual(code, 0, stderr)
             got = json.loads(Path(f"{tmp}/k.json").read_text())["metrics"]
-        self.assertGreater(got["resumed_from_step"], 0, "the killed run must have left a checkpoint to resume from")
+        self.assertGreater(got["resumed_from_step"], 0,
+                           "the killed run must have left a checkpoint to resume from")
         self.assertEqual(got["final_param_sha256"], expected)
 
     def test_under_torchrun_every_rank_shares_one_directory(self):
@@ -822,7 +825,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertIn(f"{100 * math.sqrt(2 * 60 / 86400):.1f}%", self.readme)
         for c, m, want, half_unit in C.DALY_EXAMPLES:
             self.assertLessEqual(abs(R.daly_interval(c, m) - want), half_unit,
-                                 f"Daly's optimum for C={c}, M={m} min: {R.daly_interval(c, m):.2f}, paper {want}")
+                                 f"Daly's optimum for C={c}, M={m} min: {R.daly_interval(c, m):.2f}, "
+                                 f"paper {want}")
 
     def test_scaler_story(self):
         full, saved, skipped = C.scaler_run(torch.float16, {1: 96.0, 5: 48.0}, 10_000)

@@ -98,7 +98,8 @@ class TestTracker(unittest.TestCase):
             tracker.mark([grad], "host")  # offloaded: leaves the device count, the peak stays
             self.assertEqual(tracker.live_bytes, 0, "live device bytes (host bytes excluded)")
             del grad
-        self.assertEqual((tracker.live_bytes, tracker.peak_bytes), (0, 400), "(live, peak) after the offload and del")
+        self.assertEqual((tracker.live_bytes, tracker.peak_bytes), (0, 400),
+                         "(live, peak) after the offload and del")
         self.assertEqual(tracker.live, {}, "a freed storage must be forgotten")
 
     def test_equal_to_torch_memtracker(self):
@@ -110,7 +111,8 @@ class TestTracker(unittest.TestCase):
         sbh(34 + 5as/h) + LayerNorm statistics, L layers L times that."""
         for seq, batch, hidden, heads, layers in ((8, 3, 32, 2, 1), (6, 2, 48, 3, 2)):
             measured = M.measure_layer_activations(seq, batch, hidden, heads, layers)
-            one = M.activation_bytes_per_layer(seq, batch, hidden, heads) + M.layernorm_stats_bytes(seq, batch)
+            one = (M.activation_bytes_per_layer(seq, batch, hidden, heads)
+                   + M.layernorm_stats_bytes(seq, batch))
             self.assertEqual(measured, layers * one, f"s={seq} b={batch} h={hidden} a={heads} "
                              f"L={layers}: bytes alive after forward")
 
@@ -368,8 +370,8 @@ class TestAdam8bit(unittest.TestCase):
         values = torch.tensor([1.0, float(tie), float(book[17])])
         codes, _ = A8.quantize_blockwise(values, False, 4)
         self.assertEqual(codes[0, :3].tolist(), [len(book) - 1, 200, 17],
-                         f"[1.0, the midpoint of codes 200 and 201, code 17]: a tie goes to the "
-                         f"lower code (docstring)")
+                         "[1.0, the midpoint of codes 200 and 201, code 17]: a tie goes to the "
+                         "lower code (docstring)")
 
     @exercise("blockwise-quant")
     def test_round_trip_error_is_within_half_a_code_gap(self):
@@ -450,7 +452,8 @@ class TestDocNumbers(unittest.TestCase):
         embeddings = (M.GPT2_XL["vocab"] + M.GPT2_XL["seq"]) * M.GPT2_XL["hidden"]
         self.assertEqual(eight["states_bytes"], 10 * eight["params"] + 6 * embeddings,
                          "8-bit Adam on GPT-2 XL: 10 B/param, +6 B/param of 32-bit embedding states")
-        for text in (f"{per_layer / 1e6:.1f} MB per layer", f"**{selective['activation_bytes'] / 1e9:.2f} GB**",
+        for text in (f"{per_layer / 1e6:.1f} MB per layer",
+                     f"**{selective['activation_bytes'] / 1e9:.2f} GB**",
                      f"(total {selective['total_bytes'] / 1e9:.1f} GB)", f"**{100 * saved:.1f}% less**",
                      f"{embeddings:,} parameters", f"**+{6 * embeddings / 1e9:.2f} GB**"):
             self.assertQuoted(text)
@@ -475,7 +478,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertQuoted("1 + 0.0038 -> 1.0, 1 + 0.004 -> 1.0078125, 1 - 0.0019 -> 1.0, "
                           "1 - 0.002 -> 0.99609375")
         stats = C.codebook_stats(True)
-        self.assertQuoted(f"{100 * stats['half_gap_min']:.1f}% to {100 * stats['half_gap_max']:.2f}% of the value")
+        self.assertQuoted(f"{100 * stats['half_gap_min']:.1f}% to "
+                          f"{100 * stats['half_gap_max']:.2f}% of the value")
         mantissa, exponent = f"{stats['smallest']:.1e}".split("e")
         self.assertQuoted(f"0.5625 x 2^-14 ≈ **{mantissa}e{int(exponent)}**")
         self.assertEqual(stats["smallest"], 0.5625 * 2 ** -14, "smallest signed code")
@@ -528,7 +532,8 @@ class TestDocNumbers(unittest.TestCase):
         self.assertQuoted(f"from {result['first_loss']:.3f}")
         # Adam's curve is smooth: the same to 1e-6 across CPUs; the 8-bit one moves by ~5e-4
         self.assertQuoted("0.7998 with Adam")
-        self.assertLessEqual(abs(result["final_loss"]["adam"] - 0.7998), 1e-4, f"Adam's final loss {result['final_loss']['adam']}")
+        self.assertLessEqual(abs(result["final_loss"]["adam"] - 0.7998), 1e-4,
+                             f"Adam's final loss {result['final_loss']['adam']}")
         self.assertQuoted("**0.800 ± 0.002** with 8-bit Adam")
         self.assertLessEqual(abs(result["final_loss"]["adam8bit"] - 0.800), 0.002,
                              f"8-bit Adam's final loss {result['final_loss']['adam8bit']}")

@@ -5,6 +5,8 @@ of OTHER exercises it needs are replaced by oracles written here (plain softmax 
 layouts by list comprehension), so a mistake in one exercise fails that exercise's tests and no
 other's. Every configuration runs in its own try: a stub that raises is a failed result, not a
 dead rank. The unpatched runs (everything the learner wrote together) are the integration.
+Subgroups: at world 2, 3 and 4 the ring and Ulysses also run over ranks {1}, {0, 2} and
+{1, 2, 3}, the other ranks idle, so a `group` argument that is ignored shows.
 """
 
 from __future__ import annotations
@@ -14,20 +16,24 @@ import importlib
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from lessons._launch import RankContext
 
 M = importlib.import_module("lessons.11_context_parallel.main")
+B = importlib.import_module("lessons.11_context_parallel.blockwise")
 U = importlib.import_module("lessons.11_context_parallel.ulysses")
 C = importlib.import_module("lessons.11_context_parallel.checks")
 
+KV_HEADS = {1: 4, 2: 4, 3: 6, 4: 2}  # grouped-query K/V heads per cp (12 query heads): 2 on 4
+SUBGROUPS = {2: [1], 3: [0, 2], 4: [1, 2, 3]}  # ranks at the same world size; cp = 4: replicated
 
 # ============================================================================ oracles
 
 
-def oracle_attend_block(q, k, v, mask=None):
-    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+def oracle_attend_block(q, k, v, mask=None, scale=None):
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -40,8 +46,8 @@ def oracle_merge(out_a, lse_a, out_b, lse_b):
     return weights[0, ..., None] * out_a + weights[1, ..., None] * out_b, lse
 
 
-def oracle_backward(q, k, v, d_out, lse, delta, mask=None):
-    scale = q.shape[-1] ** -0.5
+def oracle_backward(q, k, v, d_out, lse, delta, mask=None, scale=None):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = q @ k.transpose(-1, -2) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -58,26 +64,31 @@ def oracle_positions(seq, cp, rank, layout):
     return torch.tensor([c * size + i for c in chunks for i in range(size)], dtype=torch.int64)
 
 
-def oracle_blockwise(q, k, v, causal=False, block=64, q_pos=None, k_pos=None):
-    mask = (k_pos[None, :] <= q_pos[:, None]) if causal else None
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+def oracle_blockwise(q, k, v, is_causal=False, scale=None, *, enable_gqa=False, block_q=64,
+                     block_k=64, return_lse=False, q_pos=None, k_pos=None):
+    q_pos = torch.arange(q.shape[-2]) if q_pos is None else q_pos
+    k_pos = torch.arange(k.shape[-2]) if k_pos is None else k_pos
+    mask = (k_pos[None, :] <= q_pos[:, None]) if is_causal else None
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return (out, None) if return_lse else out
 
 
-ORACLES = {  # exercise -> the module attributes it provides, replaced when another is tested
-    "online-softmax": {"attend_block": oracle_attend_block, "merge_partials": oracle_merge,
-                       "attend_block_backward": oracle_backward,
-                       "blockwise_attention": oracle_blockwise},
-    "zigzag": {"sequence_positions": oracle_positions},
+ORACLES = {  # exercise -> (module, the attributes it provides, replaced when another is tested)
+    "online-softmax": (B, {"attend_block": oracle_attend_block, "merge_partials": oracle_merge,
+                           "attend_block_backward": oracle_backward}),
+    "flash-attention": (B, {"blockwise_attention": oracle_blockwise}),
+    "zigzag": (M, {"sequence_positions": oracle_positions}),
 }
 
 
 @contextlib.contextmanager
 def oracles(*exercises: str):
-    """main.py's pieces of `exercises` replaced by the oracles (checks.py's gather too)."""
+    """The pieces of `exercises` replaced by the oracles."""
     with contextlib.ExitStack() as stack:
         for name in exercises:
-            for attr, oracle in ORACLES[name].items():
-                stack.enter_context(mock.patch.object(M, attr, oracle))
+            module, replaced = ORACLES[name]
+            for attr, oracle in replaced.items():
+                stack.enter_context(mock.patch.object(module, attr, oracle))
         yield
 
 
@@ -91,41 +102,69 @@ def attempt(fn) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
 
 
-def summarise(run: dict, ref) -> dict:
+def summarise(run: dict, ref, config: dict) -> dict:
     y_ref, g_ref = ref
-    return {"out_gap": C.max_abs_diff(run["out"], y_ref),
+    return {**config, "out_gap": C.max_abs_diff(run["out"], y_ref),
             "grad_gaps": [C.max_abs_diff(a, b) for a, b in zip(run["grads"], g_ref)],
             "bytes": {"forward": run["forward_bytes"], "backward": run["backward_bytes"]},
             "forward_steps": run["forward_steps"], "backward_steps": run["backward_steps"],
             "tiles": run["tiles"]}
 
 
+def run_config(variant: str, seq: int, heads: int, head_dim: int, causal: bool, layout: str,
+               engine: str, kv_heads: int, group, members: list[int], inputs_cache: dict) -> dict:
+    """One configuration with the other exercises' oracles, summarised with what it was."""
+    cp = len(members)
+    config = {"variant": variant, "cp": cp, "causal": causal, "layout": layout, "engine": engine,
+              "kv_heads": kv_heads, "group": members, "rank_in_group": members.index(dist.get_rank())}
+    key = (kv_heads, causal)
+    if key not in inputs_cache:
+        inputs = C.full_inputs(7 + kv_heads, seq, heads, head_dim, "cpu", kv_heads)
+        inputs_cache[key] = inputs, C.reference(*inputs, causal)
+    inputs, ref = inputs_cache[key]
+    needed = ("online-softmax", "zigzag") if variant == "ring" else ("flash-attention", "zigzag")
+    with oracles(*needed):
+        return attempt(lambda: summarise(C.run_variant(variant, inputs, seq, causal, layout, engine, group),
+                                         ref, config))
+
+
 def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
-    """Every configuration on this world size: ring (with online-softmax and zig-zag oracles)
-    per mask and layout, Ulysses (with oracles) per mask, layout and engine, and the lesson
-    unpatched: ring and Ulysses against sdpa and each other."""
-    inputs = C.full_inputs(7, seq, heads, head_dim, ctx.device)
-    refs = {causal: C.reference(*inputs, causal) for causal in (False, True)}
-    results = {}
+    """Every configuration on this world size: ring (online-softmax and zig-zag oracles) per mask
+    and layout, grouped-query, and over a subgroup; Ulysses (flash-attention and zig-zag oracles)
+    the same on both engines; the lesson unpatched: ring and Ulysses against sdpa and each other."""
+    world, rank = ctx.world_size, ctx.rank
+    cache, results = {}, {}
+    everyone = list(range(world))
     for causal in (False, True):
         for layout in M.LAYOUTS:
-            with oracles("online-softmax", "zigzag"):
-                results[f"ring/{causal}/{layout}"] = attempt(
-                    lambda c=causal, lay=layout: summarise(C.run_variant("ring", inputs, seq, c, lay),
-                                                           refs[c]))
+            results[f"ring/{causal}/{layout}"] = run_config(
+                "ring", seq, heads, head_dim, causal, layout, "p2p", heads, None, everyone, cache)
             for engine in ("p2p", "torch"):
-                with oracles("online-softmax", "zigzag"):
-                    results[f"ulysses/{causal}/{layout}/{engine}"] = attempt(
-                        lambda c=causal, lay=layout, e=engine: summarise(
-                            C.run_variant("ulysses", inputs, seq, c, lay, e), refs[c]))
+                results[f"ulysses/{causal}/{layout}/{engine}"] = run_config(
+                    "ulysses", seq, heads, head_dim, causal, layout, engine, heads, None, everyone, cache)
+    for variant in C.VARIANTS:  # grouped-query attention: fewer K/V heads (replicated for Ulysses at 4)
+        results[f"{variant}/gqa"] = run_config(variant, seq, heads, head_dim, True, "zigzag", "p2p",
+                                               KV_HEADS[world], None, everyone, cache)
+    if world in SUBGROUPS:
+        members = SUBGROUPS[world]
+        group = dist.new_group(members)  # every rank creates it; only members use it
+        if rank in members:
+            sub_cache: dict = {}
+            for variant in C.VARIANTS:
+                for engine in ("p2p", "torch") if variant == "ulysses" else ("p2p",):
+                    results[f"{variant}/subgroup/{engine}"] = run_config(
+                        variant, seq, heads, head_dim, True, "zigzag", engine,
+                        KV_HEADS[len(members)], group, members, sub_cache)
+        dist.barrier()
     for variant in C.VARIANTS:  # integration: nothing replaced
         results[f"whole/{variant}"] = attempt(
-            lambda v=variant: C.run_variant(v, inputs, seq, True, "zigzag"))
+            lambda v=variant: C.run_variant(v, cache[(heads, True)][0], seq, True, "zigzag"))
     whole = {}
     if all("error" not in results[f"whole/{v}"] for v in C.VARIANTS):
         ring, ulysses = results["whole/ring"], results["whole/ulysses"]
-        whole = {"ring_vs_sdpa": summarise(ring, refs[True])["out_gap"],
-                 "ulysses_vs_sdpa": summarise(ulysses, refs[True])["out_gap"],
+        ref = cache[(heads, True)][1]
+        whole = {"ring_vs_sdpa": summarise(ring, ref, {})["out_gap"],
+                 "ulysses_vs_sdpa": summarise(ulysses, ref, {})["out_gap"],
                  "ring_vs_ulysses": max(C.max_abs_diff(a, b) for a, b in
                                         zip([ring["out"], *ring["grads"]],
                                             [ulysses["out"], *ulysses["grads"]]))}
@@ -133,8 +172,7 @@ def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
         if "error" not in results[f"whole/{variant}"]:
             del results[f"whole/{variant}"]
     results["whole"] = whole
-    results["heads_refusal"] = attempt(lambda: {"message": str(U.check_heads(ctx.world_size + 1,
-                                                                             ctx.world_size))})
+    results["heads_refusal"] = attempt(lambda: {"message": str(U.check_heads(world + 1, world + 1, world))})
     return results
 
 
