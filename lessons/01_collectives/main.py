@@ -152,7 +152,7 @@ def ring_all_gather(chunk: torch.Tensor, numel: int, traffic: Traffic | None = N
     chunk `rank` of a length-`numel` vector, any shape with chunk_sizes(numel, p)[rank]
     elements; otherwise raise ValueError, before sending anything, with a message naming the
     rank: "rank 2: chunk has ..."); every rank returns
-    the whole vector, a new 1-D tensor of `numel` elements of `chunk`'s dtype, chunk i at
+    the whole vector, a new 1-D tensor of `numel` elements of `chunk`'s dtype and device, chunk i at
     chunk_bounds(numel, p)[i]. `chunk` is unchanged.
 
     p-1 steps (`ring_schedule`, shift 0): forward the chunk received last step to the right,
