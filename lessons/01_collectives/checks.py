@@ -66,41 +66,43 @@ def ring_order_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
-def torch_reduce_scatter(flat: torch.Tensor) -> torch.Tensor:
-    """torch's reduce-scatter of a vector into `chunk_sizes` pieces. torch needs equal chunks,
-    so uneven lengths use an all-reduce and keep our slice (same sums, torch's order)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def torch_reduce_scatter(flat: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """torch's reduce-scatter of a vector into `chunk_sizes` pieces over `group`. torch needs
+    equal chunks, so uneven lengths use an all-reduce and keep our slice (same sums, torch's
+    order)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     start, end = collectives.chunk_bounds(flat.numel(), world)[rank]
     if flat.numel() % world == 0:
         out = torch.empty(end - start, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_single(out, flat.clone())
+        dist.reduce_scatter_single(out, flat.clone(), group=group)
         return out
     total = flat.clone()
-    dist.all_reduce(total)
+    dist.all_reduce(total, group=group)
     return total[start:end].clone()
 
 
-def torch_all_gather(chunk: torch.Tensor, numel: int) -> torch.Tensor:
-    """torch's all-gather of uneven chunks: equal chunks use all_gather_single; otherwise each
-    rank places its chunk in zeros and torch all-reduces (x + 0 == x exactly)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def torch_all_gather(chunk: torch.Tensor, numel: int,
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """torch's all-gather of uneven chunks over `group`: equal chunks use all_gather_single;
+    otherwise each rank places its chunk in zeros and torch all-reduces (x + 0 == x exactly)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     if numel % world == 0:
         out = torch.empty(numel, dtype=chunk.dtype, device=chunk.device)
-        dist.all_gather_single(out, chunk.contiguous())
+        dist.all_gather_single(out, chunk.reshape(-1).contiguous(), group=group)
         return out
     start, end = collectives.chunk_bounds(numel, world)[rank]
     out = torch.zeros(numel, dtype=chunk.dtype, device=chunk.device)
-    out[start:end] = chunk
-    dist.all_reduce(out)
+    out[start:end] = chunk.reshape(-1)
+    dist.all_reduce(out, group=group)
     return out
 
 
-def torch_all_to_all(send: torch.Tensor, send_counts: list[int],
-                     recv_counts: list[int]) -> torch.Tensor:
-    """`dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes)`, which
-    gloo (CPU) and NCCL both implement for uneven and empty splits along dim 0."""
+def torch_all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """`dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group)`,
+    which gloo (CPU) and NCCL both implement for uneven and empty splits along dim 0."""
     out = send.new_empty((sum(recv_counts), *send.shape[1:]))
-    dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts)
+    dist.all_to_all_single(out, send.contiguous(), recv_counts, send_counts, group=group)
     return out
 
 
@@ -124,54 +126,59 @@ def uneven_counts(sender: int, world: int, numel: int) -> list[int]:
 
 
 def check_all_to_all(name: str, send: torch.Tensor, send_counts: list[int],
-                     recv_counts: list[int], known: bool) -> list[Check]:
+                     recv_counts: list[int], known: bool,
+                     group: dist.ProcessGroup | None = None) -> list[Check]:
     """Our all_to_all against torch's on the same rows (exact: copies only) and its byte count
     against `all_to_all_bytes_sent`. known=False lets all_to_all exchange the counts first."""
     traffic = collectives.Traffic()
-    ours = collectives.all_to_all(send, send_counts, recv_counts if known else None, traffic)
-    ok, detail = compare(ours, torch_all_to_all(send, send_counts, recv_counts), None)
+    ours = collectives.all_to_all(send, send_counts, recv_counts if known else None, traffic,
+                                  group=group)
+    ok, detail = compare(ours, torch_all_to_all(send, send_counts, recv_counts, group), None)
     expected = collectives.all_to_all_bytes_sent(send_counts, math.prod(send.shape[1:]) * send.element_size(),
-                                                 dist.get_rank(), counts_exchanged=not known)
+                                                 dist.get_rank(group), counts_exchanged=not known)
     return [Check(f"{name} == torch all_to_all_single", ok, detail),
             Check(f"{name}: bytes sent == formula", traffic.bytes_sent == expected,
                   f"{traffic.bytes_sent} B counted, {expected} B formula")]
 
 
-def verify_collectives(numel: int, dtype: torch.dtype, seed: int,
-                       device: torch.device) -> tuple[list[Check], dict]:
-    """Run every collective once on this rank's input and check it. Returns (checks, metrics)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def verify_collectives(numel: int, dtype: torch.dtype, seed: int, device: torch.device,
+                       group: dist.ProcessGroup | None = None) -> tuple[list[Check], dict]:
+    """Run every collective once on this rank's input and check it, over `group` (None: every
+    rank; else only its ranks call, and ranks are ranks in it). Inputs follow the global rank,
+    so two groups checked at once hold different data. Returns (checks, metrics)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    global_ranks = [r if group is None else dist.get_global_rank(group, r) for r in range(world)]
     itemsize = torch.empty(0, dtype=dtype).element_size()
     size_bytes = numel * itemsize
-    x = make_input(rank, numel, dtype, seed).to(device)
+    x = make_input(global_ranks[rank], numel, dtype, seed).to(device)
     checks: list[Check] = []
 
     tolerance = None
     if dtype.is_floating_point and world > 2:  # 1 or 2 terms: every order gives the same sum
         abs_sum = x.double().abs()
-        dist.all_reduce(abs_sum)
+        dist.all_reduce(abs_sum, group=group)
         tolerance = sum_order_tolerance(abs_sum, world, dtype)
 
     # the plain ring: reduce-scatter, all-gather, all-reduce (ours, counted) vs torch
     traffic_rs, traffic_ag = collectives.Traffic(), collectives.Traffic()
-    our_chunk = collectives.ring_reduce_scatter(x, traffic_rs)
+    our_chunk = collectives.ring_reduce_scatter(x, traffic_rs, group=group)
     start, end = collectives.chunk_bounds(numel, world)[rank]
-    ok, detail = compare(our_chunk, torch_reduce_scatter(x),
+    ok, detail = compare(our_chunk, torch_reduce_scatter(x, group),
                          None if tolerance is None else tolerance[start:end])
     checks.append(Check("ring reduce-scatter == torch", ok, detail))
 
-    ours_gathered = collectives.ring_all_gather(our_chunk, numel, traffic_ag)
-    ok, detail = compare(ours_gathered, torch_all_gather(our_chunk, numel), None)
+    ours_gathered = collectives.ring_all_gather(our_chunk, numel, traffic_ag, group=group)
+    ok, detail = compare(ours_gathered, torch_all_gather(our_chunk, numel, group), None)
     checks.append(Check("ring all-gather == torch (exact: copies only)", ok, detail))
 
     traffic_ar = collectives.Traffic()
-    ours_reduced = collectives.ring_all_reduce(x, traffic_ar)
+    ours_reduced = collectives.ring_all_reduce(x, traffic_ar, group=group)
     theirs_reduced = x.clone()
-    dist.all_reduce(theirs_reduced)
+    dist.all_reduce(theirs_reduced, group=group)
     ok, detail = compare(ours_reduced, theirs_reduced, tolerance)
     checks.append(Check("ring all-reduce == torch all_reduce", ok, detail))
 
-    inputs = [make_input(r, numel, dtype, seed).to(device) for r in range(world)]
+    inputs = [make_input(r, numel, dtype, seed).to(device) for r in global_ranks]
     ok, detail = compare(ours_reduced, ring_order_sum(inputs), None)
     checks.append(Check("ring all-reduce == ring-order reference (bitwise)", ok, detail))
 
@@ -179,8 +186,8 @@ def verify_collectives(numel: int, dtype: torch.dtype, seed: int,
     digest = torch.tensor([int.from_bytes(hashlib.sha256(raw).digest()[:7], "little")],
                           dtype=torch.int64, device=device)
     lowest, highest = digest.clone(), digest.clone()
-    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
-    dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
     checks.append(Check("every rank holds identical all-reduce bytes", bool(lowest == highest),
                         "same hash on all ranks" if bool(lowest == highest) else "hashes differ"))
 
@@ -195,7 +202,7 @@ def verify_collectives(numel: int, dtype: torch.dtype, seed: int,
     # the segmented ring: same bits and bytes as the plain one, more (smaller) messages
     segment = max(1, numel // (3 * world))  # about 3 pieces per chunk
     traffic_seg = collectives.Traffic()
-    ours_segmented = collectives.segmented_ring_reduce_scatter(x, traffic_seg, segment)
+    ours_segmented = collectives.segmented_ring_reduce_scatter(x, traffic_seg, segment, group=group)
     messages = segmented_messages(numel, world, rank, segment)
     seg_ok = (compare(ours_segmented, our_chunk, None)[0]
               and traffic_seg.bytes_sent == traffic_rs.bytes_sent
@@ -208,14 +215,15 @@ def verify_collectives(numel: int, dtype: torch.dtype, seed: int,
     root = world - 1
     ours_bcast = x.clone()
     traffic_bc = collectives.Traffic()
-    rounds = latency_optimal.tree_broadcast(ours_bcast, root, traffic_bc)
+    rounds = latency_optimal.tree_broadcast(ours_bcast, root, traffic_bc, group=group)
     theirs_bcast = x.clone()
-    dist.broadcast(theirs_bcast, root)
+    dist.broadcast(theirs_bcast, group=group, group_src=root)
     ok, detail = compare(ours_bcast, theirs_bcast, None)
-    checks.append(Check(f"tree broadcast from rank {root} == torch broadcast", ok, detail))
+    checks.append(Check("tree broadcast from the last rank == torch broadcast", ok,
+                        f"root {root}: {detail}"))
     bcast_expected = latency_optimal.tree_broadcast_bytes_sent(size_bytes, world, root, rank)
     total_sent = torch.tensor([traffic_bc.bytes_sent], dtype=torch.int64, device=device)
-    dist.all_reduce(total_sent)
+    dist.all_reduce(total_sent, group=group)
     bcast_ok = (traffic_bc.bytes_sent == bcast_expected and int(total_sent) == (world - 1) * size_bytes
                 and rounds == (math.ceil(math.log2(world)) if world > 1 else 0))
     checks.append(Check("tree broadcast bytes and rounds == formula", bcast_ok,
@@ -224,7 +232,7 @@ def verify_collectives(numel: int, dtype: torch.dtype, seed: int,
 
     # recursive doubling
     traffic_rd = collectives.Traffic()
-    ours_doubling = latency_optimal.recursive_doubling_all_reduce(x, traffic_rd)
+    ours_doubling = latency_optimal.recursive_doubling_all_reduce(x, traffic_rd, group=group)
     ok, detail = compare(ours_doubling, theirs_reduced, tolerance)
     checks.append(Check("recursive doubling == torch all_reduce", ok, detail))
     rd_expected = latency_optimal.recursive_doubling_bytes_sent(size_bytes, world, rank)
@@ -235,13 +243,13 @@ def verify_collectives(numel: int, dtype: torch.dtype, seed: int,
     # all-to-all: equal blocks of rows (Ulysses), then uneven blocks whose sizes the
     # receivers learn from a first exchange of counts (mixture-of-experts dispatch)
     equal = [numel // world] * world
-    rows = make_input(rank, sum(equal) * 3, dtype, seed + 2).to(device).reshape(-1, 3)
-    checks += check_all_to_all("all-to-all, equal blocks", rows, equal, equal, known=True)
+    rows = make_input(global_ranks[rank], sum(equal) * 3, dtype, seed + 2).to(device).reshape(-1, 3)
+    checks += check_all_to_all("all-to-all, equal blocks", rows, equal, equal, True, group)
     send_counts = uneven_counts(rank, world, numel)
     recv_counts = [uneven_counts(source, world, numel)[rank] for source in range(world)]
-    rows = make_input(rank, sum(send_counts) * 2, dtype, seed + 3).to(device).reshape(-1, 2)
+    rows = make_input(global_ranks[rank], sum(send_counts) * 2, dtype, seed + 3).to(device).reshape(-1, 2)
     checks += check_all_to_all("all-to-all, uneven blocks, counts exchanged", rows, send_counts,
-                               recv_counts, known=False)
+                               recv_counts, False, group)
 
     metrics = {"bytes_sent": counted["all_reduce"], "bytes_expected": expected["all_reduce"]}
     return checks, metrics
@@ -262,6 +270,14 @@ def verify_worker(ctx: RankContext, numel: int, dtype_name: str, seed: int, faul
         edge_failures += [f"numel={length}: {c.name}" for c in edge_checks if not c.passed]
     checks.append(Check(f"edge lengths {edge_lengths} (int64, every check above)",
                         not edge_failures, "; ".join(edge_failures) or "all exact"))
+    # subgroups: the even ranks and the odd ranks, each a group, checked at the same time
+    halves = [list(range(world))[start::2] for start in (0, 1) if start < world]
+    groups = [dist.new_group(ranks) for ranks in halves]  # every rank creates every group
+    mine = next(g for g, ranks in zip(groups, halves) if ctx.rank in ranks)
+    group_checks, _ = verify_collectives(numel, DTYPES[dtype_name], seed + 4, ctx.device, mine)
+    group_failures = [c.name for c in group_checks if not c.passed]
+    checks.append(Check(f"subgroups {halves} at once (every check above, group=...)",
+                        not group_failures, "; ".join(group_failures) or "all pass"))
     return {"checks": [vars(c) for c in checks], "metrics": metrics}
 
 

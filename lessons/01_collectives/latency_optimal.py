@@ -9,7 +9,8 @@ algorithms whose number of rounds grows like log2 p, paying with bytes:
    r XOR 2^k; ranks above the largest power of two fold in first.
 3. Their exact byte counts (the alpha-beta times are `alpha_beta_seconds` in main.py).
 
-Both communicate only through main.py's `exchange`, so they are NCCL-safe by construction.
+Both communicate only through main.py's `exchange`, so they are NCCL-safe by construction,
+and both take `group=None` like main.py's collectives (ranks are then ranks in the group).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .main import Traffic, exchange
+from .main import Group, Traffic, exchange
 
 # ============================================================================ 1. tree broadcast
 
@@ -28,10 +29,13 @@ from .main import Traffic, exchange
 # hint: relative ranks make every root look like rank 0; turn a relative rank back into a
 #   real one by adding root (mod p). A rank receives exactly once: in the round k with
 #   2^k <= v < 2^(k+1). Each round is one `exchange` (a send, a receive, or nothing).
-def tree_broadcast(tensor: torch.Tensor, root: int, traffic: Traffic | None = None) -> int:
+def tree_broadcast(tensor: torch.Tensor, root: int, traffic: Traffic | None = None, *,
+                   group: Group = None) -> int:
     """Binomial-tree broadcast of `tensor` (any shape, contiguous; the same shape and dtype on
     every rank) from `root`, in place: afterwards every rank's `tensor` holds the root's
-    values. Returns the number of rounds, ceil(log2 p) on every rank (0 when p = 1).
+    values. Returns the number of rounds, ceil(log2 p) on every rank (0 when p = 1). Over the
+    p ranks of `group` (None: all), called by them only; `root` and rank r are ranks in it, as
+    dist.broadcast(tensor, group=group, group_src=root) counts them.
 
     With relative rank v = (rank - root) mod p, in round k (k = 0, 1, ...) every rank with
     v < 2^k already has the data and sends it to v + 2^k (if that exists). The set of ranks
@@ -40,24 +44,25 @@ def tree_broadcast(tensor: torch.Tensor, root: int, traffic: Traffic | None = No
     bytes, rank r `tree_broadcast_bytes_sent(S, p, root, r)`. Time: ceil(log2 p) *
     (alpha + S * beta).
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     relative = (rank - root) % world
     rounds = math.ceil(math.log2(world)) if world > 1 else 0
     for k in range(rounds):
         span = 1 << k
         if relative < span and relative + span < world:
-            exchange([(tensor, (relative + span + root) % world)], [], traffic)
+            exchange([(tensor, (relative + span + root) % world)], [], traffic, group=group)
         elif span <= relative < 2 * span:
-            exchange([], [(tensor, (relative - span + root) % world)], traffic)
+            exchange([], [(tensor, (relative - span + root) % world)], traffic, group=group)
     return rounds
 
 
 # ============================================================================ 2. recursive doubling
 
 
-def recursive_doubling_all_reduce(tensor: torch.Tensor, traffic: Traffic | None = None) -> torch.Tensor:
-    """All-reduce (sum) by recursive doubling: in round k, rank r swaps its whole partial sum
-    with rank r XOR 2^k and adds. log2(p) rounds when p is a power of two.
+def recursive_doubling_all_reduce(tensor: torch.Tensor, traffic: Traffic | None = None, *,
+                                  group: Group = None) -> torch.Tensor:
+    """All-reduce (sum) over `group` by recursive doubling: in round k, rank r swaps its whole
+    partial sum with rank r XOR 2^k and adds. log2(p) rounds when p is a power of two.
 
     Other p: with q = the largest power of two <= p, ranks q..p-1 first fold their data into
     ranks 0..p-q-1, the q ranks double, and the result is sent back. Every rank ends with
@@ -65,24 +70,24 @@ def recursive_doubling_all_reduce(tensor: torch.Tensor, traffic: Traffic | None 
     (+ S on a rank that folds or is folded into): latency-optimal, not bandwidth-optimal.
     Time (p a power of two): log2(p) * (alpha + S * beta). Returns a new tensor.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.reshape(-1).clone()
     power = 1 << (world.bit_length() - 1)
     partner_buffer = torch.empty_like(flat)
     if rank >= power:  # fold into rank - power, then wait for the answer
-        exchange([(flat, rank - power)], [], traffic)
-        exchange([], [(flat, rank - power)], traffic)
+        exchange([(flat, rank - power)], [], traffic, group=group)
+        exchange([], [(flat, rank - power)], traffic, group=group)
         return flat.reshape(tensor.shape)
     if rank + power < world:
-        exchange([], [(partner_buffer, rank + power)], traffic)
+        exchange([], [(partner_buffer, rank + power)], traffic, group=group)
         flat += partner_buffer
     span = 1
     while span < power:
-        exchange([(flat, rank ^ span)], [(partner_buffer, rank ^ span)], traffic)
+        exchange([(flat, rank ^ span)], [(partner_buffer, rank ^ span)], traffic, group=group)
         flat += partner_buffer
         span <<= 1
     if rank + power < world:
-        exchange([(flat, rank + power)], [], traffic)
+        exchange([(flat, rank + power)], [], traffic, group=group)
     return flat.reshape(tensor.shape)
 
 

@@ -3,7 +3,8 @@
 main.py, the bandwidth-optimal ring and what later lessons build on:
 1. Chunks: a vector of S bytes in p pieces whose sizes differ by at most one element.
 2. `exchange`, our one primitive: a step's sends and receives posted as one group (no ring
-   can deadlock, on NCCL either); `Traffic` counts every byte a rank sends.
+   can deadlock, on NCCL either); `Traffic` counts every byte a rank sends. Every function
+   takes `group=None` as torch.distributed does: ranks are then ranks in that group.
 3. The plain ring: reduce-scatter, all-gather, and all-reduce as their composition:
    2(p-1)/p * S bytes per rank (below 2S whatever p is), but 2(p-1) latencies.
 4. The segmented ring, an optimisation: add piece i of a chunk while piece i+1 arrives.
@@ -65,11 +66,14 @@ class Traffic:
 
 
 Peers = list[tuple[torch.Tensor, int]]  # (tensor, peer rank) pairs
+Group = dist.ProcessGroup | None  # a process group; None is the default group (every rank)
 
 
-def start_exchange(sends: Peers, recvs: Peers, traffic: Traffic | None = None) -> list:
+def start_exchange(sends: Peers, recvs: Peers, traffic: Traffic | None = None, *,
+                   group: Group = None) -> list:
     """Post every send (tensor to rank) and receive (into tensor from rank) as ONE group
-    (`dist.batch_isend_irecv`) and return its requests, not yet waited on.
+    (`dist.batch_isend_irecv`) and return its requests, not yet waited on. Peers are ranks in
+    `group` (`dist.P2POp`'s group_peer; the global rank is dist.get_global_rank(group, peer)).
 
     One group is what makes a ring safe: if every rank first blocked in its send, nobody would
     reach its receive; NCCL, which runs a rank's sends and receives on one stream, needs them
@@ -77,17 +81,18 @@ def start_exchange(sends: Peers, recvs: Peers, traffic: Traffic | None = None) -
     sizes, so they skip the same messages. Messages between two ranks in one direction match
     in posting order (NCCL ignores tags). Tensors must be contiguous, on the rank's device.
     """
-    ops = [dist.P2POp(dist.isend, tensor, peer) for tensor, peer in sends if tensor.numel()]
+    ops = [dist.P2POp(dist.isend, t, group=group, group_peer=peer) for t, peer in sends if t.numel()]
     for op in ops if traffic is not None else []:
         traffic.record(op.tensor)
-    ops += [dist.P2POp(dist.irecv, tensor, peer) for tensor, peer in recvs if tensor.numel()]
+    ops += [dist.P2POp(dist.irecv, t, group=group, group_peer=peer) for t, peer in recvs if t.numel()]
     return dist.batch_isend_irecv(ops) if ops else []
 
 
-def exchange(sends: Peers, recvs: Peers, traffic: Traffic | None = None) -> None:
+def exchange(sends: Peers, recvs: Peers, traffic: Traffic | None = None, *,
+             group: Group = None) -> None:
     """`start_exchange`, then wait for every request: when it returns, every receive buffer
     holds its message. Cost of a step: alpha + n * beta for its largest message of n bytes."""
-    for request in start_exchange(sends, recvs, traffic):
+    for request in start_exchange(sends, recvs, traffic, group=group):
         request.wait()
 
 
@@ -109,10 +114,12 @@ def ring_schedule(numel: int, world_size: int, rank: int, shift: int) -> list[tu
 # hint: work on a flat copy; for each (send, recv) of ring_schedule(S, p, rank, shift=1),
 #   exchange flat[send] to the right and a buffer from the left, then add the buffer into
 #   flat[recv]; return a copy of chunk `rank` (chunk_bounds).
-def ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None = None) -> torch.Tensor:
-    """Sum `tensor` (same shape on every rank, flattened to S elements) across the p ranks and
-    return this rank's chunk `rank` of the sum, a new 1-D tensor of chunk_sizes(S, p)[rank]
-    elements (empty when S < p leaves it none), of `tensor`'s dtype and device.
+def ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None = None, *,
+                        group: Group = None) -> torch.Tensor:
+    """Sum `tensor` (same shape on every rank, flattened to S elements) across the p ranks of
+    `group` and return this rank's chunk `rank` of the sum, a new 1-D tensor of
+    chunk_sizes(S, p)[rank] elements (empty when S < p leaves it none), of `tensor`'s dtype
+    and device. Only the group's ranks call it; p and `rank` are its size and our rank in it.
 
     p-1 steps (`ring_schedule`, shift 1): send one partial-sum chunk right (rank r+1 mod p),
     receive one from the left (rank r-1 mod p) and add it into our copy. Chunk c's partial
@@ -122,14 +129,14 @@ def ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None = None) ->
     `traffic` (when given) counts the bytes sent: S - |chunk r| = (p-1)/p * S when p divides
     S. Time: (p-1) alpha + (p-1)/p * S * beta. `tensor` is unchanged. p = 1: a copy.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.reshape(-1).clone()
     right, left = (rank + 1) % world, (rank - 1) % world
     incoming = torch.empty(max(chunk_sizes(flat.numel(), world)), dtype=flat.dtype,
                            device=flat.device)
     for send, recv in ring_schedule(flat.numel(), world, rank, shift=1):
         received = incoming[: recv.stop - recv.start]
-        exchange([(flat[send], right)], [(received, left)], traffic)
+        exchange([(flat[send], right)], [(received, left)], traffic, group=group)
         flat[recv] += received  # the whole chunk has arrived: add it
     start, end = chunk_bounds(flat.numel(), world)[rank]
     return flat[start:end].clone()
@@ -139,11 +146,13 @@ def ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None = None) ->
 # hint: check the chunk's size first (before any message); place it at chunk_bounds(numel,
 #   p)[rank] of a new length-numel vector, then for each (send, recv) of ring_schedule(numel,
 #   p, rank, shift=0) send out[send] to the right and receive out[recv] from the left.
-def ring_all_gather(chunk: torch.Tensor, numel: int, traffic: Traffic | None = None) -> torch.Tensor:
-    """Every rank contributes `chunk` (its chunk `rank` of a length-`numel` vector, any shape
-    with chunk_sizes(numel, p)[rank] elements; otherwise raise ValueError, before sending
-    anything, with a message naming the rank: "rank 2: chunk has ..."); every rank returns
-    the whole vector, a new 1-D tensor of `numel` elements of `chunk`'s dtype, chunk i at
+def ring_all_gather(chunk: torch.Tensor, numel: int, traffic: Traffic | None = None, *,
+                    group: Group = None) -> torch.Tensor:
+    """Every rank of `group` (p, `rank`: as in `ring_reduce_scatter`) contributes `chunk` (its
+    chunk `rank` of a length-`numel` vector, any shape with chunk_sizes(numel, p)[rank]
+    elements; otherwise raise ValueError, before sending anything, with a message naming the
+    rank: "rank 2: chunk has ..."); every rank returns
+    the whole vector, a new 1-D tensor of `numel` elements of `chunk`'s dtype and device, chunk i at
     chunk_bounds(numel, p)[i]. `chunk` is unchanged.
 
     p-1 steps (`ring_schedule`, shift 0): forward the chunk received last step to the right,
@@ -151,33 +160,35 @@ def ring_all_gather(chunk: torch.Tensor, numel: int, traffic: Traffic | None = N
     same bits on every rank. Every message goes through `exchange(..., traffic)`; bytes sent:
     S - |chunk r+1| = (p-1)/p * S when p divides S. Time: (p-1) alpha + (p-1)/p * S * beta.
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     start, end = chunk_bounds(numel, world)[rank]
     if chunk.numel() != end - start:
-        raise ValueError(f"rank {rank}: chunk has {chunk.numel()} elements, expected "
+        raise ValueError(f"rank {dist.get_rank()}: chunk has {chunk.numel()} elements, expected "
                          f"{end - start} for numel={numel} over {world} ranks")
     out = torch.empty(numel, dtype=chunk.dtype, device=chunk.device)
     out[start:end] = chunk.reshape(-1)
     right, left = (rank + 1) % world, (rank - 1) % world
     for send, recv in ring_schedule(numel, world, rank, shift=0):
-        exchange([(out[send], right)], [(out[recv], left)], traffic)
+        exchange([(out[send], right)], [(out[recv], left)], traffic, group=group)
     return out
 
 
 # exercise ring-all-reduce (2 points): Ring all-reduce = reduce-scatter + all-gather
 # hint: two calls, with the same `traffic`, then give the result `tensor`'s shape back.
-def ring_all_reduce(tensor: torch.Tensor, traffic: Traffic | None = None) -> torch.Tensor:
-    """All-reduce (sum) = `ring_reduce_scatter`, then `ring_all_gather` of the reduced chunks.
-
-    Returns a new tensor of `tensor`'s shape and dtype holding the element-wise sum over
-    ranks (in the ring's order: the same bits as `ring_order_sum`), the same bits on every
-    rank; `tensor` is unchanged (dist.all_reduce works in place; both sum, and averaging is
-    the caller's job). `traffic` counts both phases' bytes. 2(p-1) steps of S/p bytes: each rank sends
-    2(p-1)/p * S bytes, bounded by 2S and almost independent of p (bandwidth-optimal). But the
-    time 2(p-1) alpha + 2(p-1)/p * S * beta has a latency term that grows linearly with p.
+def ring_all_reduce(tensor: torch.Tensor, traffic: Traffic | None = None, *,
+                    group: Group = None) -> torch.Tensor:
+    """All-reduce (sum) = `ring_reduce_scatter`, then `ring_all_gather` of the reduced chunks
+    (both over `group`). Returns a new tensor of `tensor`'s shape and dtype holding the
+    element-wise sum over ranks (in the ring's order: the same bits as `ring_order_sum`), the
+    same bits on every rank; `tensor` is unchanged (dist.all_reduce works in place; both sum,
+    and averaging is the caller's job). `traffic` counts both phases' bytes. 2(p-1) steps of
+    S/p bytes: each rank sends 2(p-1)/p * S bytes, bounded by 2S and almost independent of p
+    (bandwidth-optimal). But the time 2(p-1) alpha + 2(p-1)/p * S * beta has a latency term
+    that grows linearly with p.
     """
-    reduced_chunk = ring_reduce_scatter(tensor, traffic)
-    return ring_all_gather(reduced_chunk, tensor.numel(), traffic).reshape(tensor.shape)
+    reduced_chunk = ring_reduce_scatter(tensor, traffic, group=group)
+    gathered = ring_all_gather(reduced_chunk, tensor.numel(), traffic, group=group)
+    return gathered.reshape(tensor.shape)
 
 
 # ============================================================================ 4. the segmented ring
@@ -186,7 +197,8 @@ SEGMENT_ELEMS = 1 << 18  # 1 MiB of float32 per message (gloo's ring uses 1 MiB 
 
 
 def exchange_segments(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
-                      traffic: Traffic | None = None, segment_elems: int = SEGMENT_ELEMS):
+                      traffic: Traffic | None = None, segment_elems: int = SEGMENT_ELEMS, *,
+                      group: Group = None):
     """`exchange` of one 1-D send and one 1-D receive, cut into pieces of `segment_elems`
     elements: a generator that yields the slice of `recv` that just arrived, in order, while
     the next piece is already in flight (two groups in flight at a time, each one piece's send
@@ -198,7 +210,7 @@ def exchange_segments(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int
     """
     def start(i: int) -> list:  # piece i of both; a piece past a tensor's end is empty: skipped
         piece = slice(i * segment_elems, (i + 1) * segment_elems)
-        return start_exchange([(send[piece], dst)], [(recv[piece], src)], traffic)
+        return start_exchange([(send[piece], dst)], [(recv[piece], src)], traffic, group=group)
 
     count = math.ceil(max(send.numel(), recv.numel()) / segment_elems)
     in_flight = start(0)
@@ -211,18 +223,19 @@ def exchange_segments(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int
 
 
 def segmented_ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None = None,
-                                  segment_elems: int = SEGMENT_ELEMS) -> torch.Tensor:
+                                  segment_elems: int = SEGMENT_ELEMS, *,
+                                  group: Group = None) -> torch.Tensor:
     """`ring_reduce_scatter` with each step's chunk sent in pieces (`exchange_segments`), the
     add of one piece overlapping the reception of the next. Same result bit for bit (the same
     additions in the same order), same bytes. It is not NCCL's pipelining, which also
     overlaps successive ring steps: here step s+1 starts when step s has finished."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     flat = tensor.reshape(-1).clone()
     incoming = torch.empty_like(flat[: max(chunk_sizes(flat.numel(), world))])
     for send, recv in ring_schedule(flat.numel(), world, rank, shift=1):
         received, target = incoming[: recv.stop - recv.start], flat[recv]
         for piece in exchange_segments(flat[send], (rank + 1) % world, received,
-                                       (rank - 1) % world, traffic, segment_elems):
+                                       (rank - 1) % world, traffic, segment_elems, group=group):
             target[piece] += received[piece]
     start, end = chunk_bounds(flat.numel(), world)[rank]
     return flat[start:end].clone()
@@ -237,9 +250,9 @@ def segmented_ring_reduce_scatter(tensor: torch.Tensor, traffic: Traffic | None 
 #   (block j to rank j, block i of the output from rank i). Unknown recv_counts: first an
 #   all_to_all of one int64 count per rank.
 def all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int] | None = None,
-               traffic: Traffic | None = None) -> torch.Tensor:
+               traffic: Traffic | None = None, *, group: Group = None) -> torch.Tensor:
     """Personalised exchange: rank r's rows are grouped by destination, and rank j receives
-    block j of every rank, stacked in source-rank order.
+    block j of every rank, stacked in source-rank order (ranks and p: those of `group`).
 
     send: (sum(send_counts), *trailing), rows [o_j, o_j + send_counts[j]) go to rank j
     (o_j = sum of the counts before j); counts may be uneven or zero. Returns a new tensor
@@ -251,23 +264,22 @@ def all_to_all(send: torch.Tensor, send_counts: list[int], recv_counts: list[int
     int64 per pair. Same result as dist.all_to_all_single(out, send, recv_counts, send_counts).
     Own block: a local copy; the rest: one group of up to 2(p-1) messages. Bytes sent: sum
     over j != r of send_counts[j] * row bytes; with equal blocks of a send buffer of S bytes,
-    (p-1)/p * S. Time: (p-1) alpha + (p-1)/p * S * beta when the rank's link carries its p-1
-    messages at 1/beta.
+    (p-1)/p * S. Time: (p-1) alpha + (p-1)/p * S * beta (p-1 messages over the rank's link).
     """
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     if len(send_counts) != world or min(send_counts) < 0 or sum(send_counts) != send.shape[0]:
-        raise ValueError(f"rank {rank}: send_counts {send_counts} must be {world} counts >= 0 "
+        raise ValueError(f"rank {dist.get_rank()}: send_counts {send_counts} must be {world} counts >= 0 "
                          f"summing to send.shape[0] = {send.shape[0]}")
     if recv_counts is None:
         counts = torch.tensor(send_counts, dtype=torch.int64, device=send.device)
-        recv_counts = all_to_all(counts, [1] * world, [1] * world, traffic).tolist()
+        recv_counts = all_to_all(counts, [1] * world, [1] * world, traffic, group=group).tolist()
     out = send.new_empty((sum(recv_counts), *send.shape[1:]))
     blocks_out = send.contiguous().split(send_counts)
     blocks_in = out.split(recv_counts)
     blocks_in[rank].copy_(blocks_out[rank])
     others = [peer for peer in range(world) if peer != rank]
     exchange([(blocks_out[peer], peer) for peer in others],
-             [(blocks_in[peer], peer) for peer in others], traffic)
+             [(blocks_in[peer], peer) for peer in others], traffic, group=group)
     return out
 
 
@@ -325,13 +337,8 @@ def alpha_beta_seconds(collective: str, size_bytes: float, world_size: int, alph
     raise ValueError(f"unknown collective {collective!r}")
 
 
-BUS_FACTORS = {  # nccl-tests doc/PERFORMANCE.md
-    "all_reduce": lambda p: 2 * (p - 1) / p,
-    "reduce_scatter": lambda p: (p - 1) / p,
-    "all_gather": lambda p: (p - 1) / p,
-    "all_to_all": lambda p: (p - 1) / p,
-    "broadcast": lambda p: 1.0,
-}
+BUS_FACTORS = {"all_reduce": lambda p: 2 * (p - 1) / p, "broadcast": lambda p: 1.0,  # nccl-tests
+               **dict.fromkeys(("reduce_scatter", "all_gather", "all_to_all"), lambda p: (p - 1) / p)}
 
 
 def bus_bandwidth(collective: str, size_bytes: float, seconds: float, world_size: int) -> tuple[float, float]:

@@ -124,7 +124,7 @@ def bench_worker(ctx: RankContext, width: int, steps: int, caps_bytes: list[int]
     def build(kind: str, cap: int = 0):
         model = data_parallel.make_model(0, torch.float32, **sizes).to(ctx.device)
         if kind == "bucketed":
-            wrapped = data_parallel.BucketedDDP(model, cap, on_event=on_event)
+            wrapped = data_parallel.BucketedDDP(model, bucket_cap_mb=cap / 2**20, on_event=on_event)
         elif kind == "torch":
             wrapped = torch_ddp(ctx, model, bucket_cap_mb=cap / 2**20)
         else:

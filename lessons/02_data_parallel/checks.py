@@ -1,6 +1,8 @@
 """Lesson 02's proof: every DDP variant of main.py against one process on the whole batch and
 torch's DistributedDataParallel, what torch DDP does with its buckets (observed through its
-logging data), the error an unused parameter gives, and the CLI.
+logging data), the error an unused parameter gives; then BucketedDDP against torch DDP where
+torch's contract says more: find_unused_parameters, buffers that change (BatchNorm) with and
+without broadcast_buffers, tied weights, and two process groups at once; and the CLI.
 
 `python lessons/02_data_parallel/main.py` runs `main()` here; `--bench` hands over to bench.py.
 """
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,11 +56,14 @@ def torch_ddp(ctx: RankContext, model: nn.Module, **kwargs) -> DistributedDataPa
     return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
 
 
-def shard_of_step(ctx: RankContext, index: int, batch: int, seed: int, **sizes):
-    """This rank's rows of global batch `index`, on ctx.device."""
+def shard_of_step(ctx: RankContext, index: int, batch: int, seed: int,
+                  group: dist.ProcessGroup | None = None, **sizes):
+    """This rank's rows of global batch `index` (its share among the ranks of `group`, None:
+    all), on ctx.device."""
     x, y = data_parallel.global_batch(index, batch, seed, **sizes)
-    return (data_parallel.local_shard(x, ctx.rank, ctx.world_size).to(ctx.device),
-            data_parallel.local_shard(y, ctx.rank, ctx.world_size).to(ctx.device))
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    return (data_parallel.local_shard(x, rank, world).to(ctx.device),
+            data_parallel.local_shard(y, rank, world).to(ctx.device))
 
 
 def train_single_process(seed: int, steps: int, batch: int, accumulation: int = 1,
@@ -97,7 +104,7 @@ def train_data_parallel(ctx: RankContext, kind: str, seed: int, steps: int, batc
         wrapped = model
     elif kind == "bucketed":
         wrapped = data_parallel.BucketedDDP(
-            model, bucket_cap_bytes,
+            model, bucket_cap_mb=bucket_cap_bytes / 2**20,
             on_event=lambda event, bucket: launches.append(bucket) if event == "launch" else None)
     elif kind == "torch":
         wrapped = torch_ddp(ctx, model, bucket_cap_mb=bucket_cap_bytes / 2**20)
@@ -166,8 +173,8 @@ def parse_bucket_indices(text: str | None) -> list[list[int]]:
 
 def unused_parameter_error(ctx: RankContext, seed: int) -> str:
     """Backward through BucketedDDP on a model with an unused layer: the error message."""
-    model = data_parallel.BucketedDDP(
-        data_parallel.make_model(seed, unused=True).to(ctx.device), CHECK_CAP_BYTES)
+    model = data_parallel.BucketedDDP(data_parallel.make_model(seed, unused=True).to(ctx.device),
+                                      bucket_cap_mb=CHECK_CAP_BYTES / 2**20)
     x, y = shard_of_step(ctx, 0, 4 * ctx.world_size, seed)
     loss = F.mse_loss(model(x), y)
     try:
@@ -175,6 +182,186 @@ def unused_parameter_error(ctx: RankContext, seed: int) -> str:
     except RuntimeError as exc:
         return str(exc)
     return ""
+
+
+# ============================================================================ torch's contract
+
+
+class SpareMLP(data_parallel.TinyMLP):
+    """TinyMLP whose spare layer joins the hidden stream only when forward is told to
+    (`use_spare`): a layer used on some steps and ranks and not on others. `idle=True` adds a
+    last layer no forward ever uses."""
+
+    def __init__(self, idle: bool = False, **sizes):
+        super().__init__(unused=True, **sizes)
+        self.idle = nn.Linear(4, 4) if idle else None
+
+    def forward(self, x: torch.Tensor, use_spare: bool = True) -> torch.Tensor:
+        hidden = F.relu(self.fc1(x * self.input_scale))
+        if use_spare:
+            hidden = hidden + self.spare(hidden)
+        return self.head(F.relu(self.fc2(hidden)))
+
+
+class TwoHeadMLP(nn.Module):
+    """fc1 -> ReLU -> two heads, (head, aux): forward runs both; the loss leaves aux out on some
+    steps and ranks, so its layer gets no gradient although forward used it. A last layer,
+    idle, no forward uses."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 4):
+        super().__init__()
+        self.fc1, self.head = nn.Linear(d_in, hidden), nn.Linear(hidden, d_out)
+        self.aux, self.idle = nn.Linear(hidden, d_out), nn.Linear(d_out, d_out)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = F.relu(self.fc1(x))
+        return self.head(hidden), self.aux(hidden)
+
+
+class NormMLP(nn.Module):
+    """fc1 -> BatchNorm1d -> ReLU -> head: every training forward updates the norm's buffers
+    (running mean and variance, a batch counter) from this rank's own rows."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 32, d_out: int = 4):
+        super().__init__()
+        self.fc1, self.norm = nn.Linear(d_in, hidden), nn.BatchNorm1d(hidden)
+        self.head = nn.Linear(hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.norm(self.fc1(x))))
+
+
+class TiedMLP(nn.Module):
+    """fc1 (d -> h), then fc2 applied twice (one layer, two uses; `again` is the same module),
+    then fc1's own weight, transposed, back to d (a tied decoder, as a language model ties its
+    embedding and output layer). parameters() lists each shared tensor once."""
+
+    def __init__(self, d_in: int = 16, hidden: int = 32):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d_in, hidden), nn.Linear(hidden, hidden)
+        self.again = self.fc2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.relu(self.again(F.relu(self.fc2(F.relu(self.fc1(x))))))
+        return F.linear(hidden, self.fc1.weight.t())
+
+
+def build(make: Callable[[], nn.Module], seed: int, device) -> nn.Module:
+    """`make()` (a module class, or any function that builds one) in float64 with weights from
+    `seed` alone, on `device`."""
+    torch.manual_seed(seed)
+    return make().to(torch.float64).to(device)
+
+
+def torch_ddp_like(ctx: RankContext, model: nn.Module, broadcast_buffers: bool = True,
+                   **kwargs) -> DistributedDataParallel:
+    """torch's DDP with our constructor's meaning of broadcast_buffers: True is torch 2.13's
+    forward_sync_buffers=True (the same as the deprecated broadcast_buffers=True); False is the
+    deprecated broadcast_buffers=False, which also skips the buffers at construction."""
+    if broadcast_buffers:
+        return torch_ddp(ctx, model, forward_sync_buffers=True, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        return torch_ddp(ctx, model, broadcast_buffers=False, **kwargs)
+
+
+def train_contract(ctx: RankContext, engine: str, model: nn.Module, steps: int, seed: int,
+                   accumulation: int = 1, use: Callable[[int, int, int], dict] | None = None,
+                   group: dist.ProcessGroup | None = None, d_out: int = 4, **ddp_kwargs) -> dict:
+    """Train `model` (already on ctx.device) under our BucketedDDP or torch's (`engine` 'ours'
+    or 'torch') over `group`, with SGD + momentum, `accumulation` micro-batches per step (all
+    but the last inside no_sync()). `use(step, micro, group rank)` gives forward's keyword
+    arguments, and (popped) `aux_loss`: whether the loss takes a tuple output's second element
+    too (else only the first). Returns the gradients after each step's backward (a None kept
+    as None), then the final parameters and buffers, by name."""
+    ddp_kwargs.setdefault("bucket_cap_mb", CHECK_CAP_BYTES / 2**20)
+    if engine == "ours":
+        wrapped = data_parallel.BucketedDDP(model, process_group=group, **ddp_kwargs)
+    else:
+        wrapped = torch_ddp_like(ctx, model, process_group=group, **ddp_kwargs)
+    optimizer = make_optimizer(model)
+    d_in, grads = model.fc1.in_features, []
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(accumulation):
+            x, y = shard_of_step(ctx, step * accumulation + micro, 4 * dist.get_world_size(group),
+                                 seed, group, d_in=d_in, d_out=d_out)
+            kwargs = use(step, micro, dist.get_rank(group)) if use else {}
+            aux_loss = kwargs.pop("aux_loss", False)
+            with wrapped.no_sync() if micro < accumulation - 1 else contextlib.nullcontext():
+                output = wrapped(x, **kwargs)
+                if isinstance(output, tuple):
+                    output = output[0] + output[1] if aux_loss else output[0]
+                F.mse_loss(output, y).backward()
+        grads.append({name: None if p.grad is None else p.grad.detach().cpu().clone()
+                      for name, p in model.named_parameters()})
+        optimizer.step()
+    return {"grads": grads,
+            "params": {name: p.detach().cpu().clone() for name, p in model.named_parameters()},
+            "buffers": {name: b.detach().cpu().clone() for name, b in model.named_buffers()}}
+
+
+def contract_gap(ours: dict, theirs: dict) -> tuple[float, str]:
+    """The largest |ours - torch| over every step's gradients, the final parameters and the
+    buffers (inf where one has a gradient and the other None), and where it is."""
+    worst, where = 0.0, "all equal"
+    pairs = [(f"step {i} grad {n}", g, theirs["grads"][i][n]) for i, step in enumerate(ours["grads"])
+             for n, g in step.items()]
+    pairs += [(f"final {kind} {n}", t, theirs[kind][n]) for kind in ("params", "buffers")
+              for n, t in ours[kind].items()]
+    for name, a, b in pairs:
+        if (a is None) != (b is None):
+            return float("inf"), f"{name}: ours {'None' if a is None else 'a tensor'}, torch " \
+                                 f"{'None' if b is None else 'a tensor'}"
+        gap = 0.0 if a is None else max_abs_diff(a, b)
+        if gap > worst:
+            worst, where = gap, name
+    return worst, where
+
+
+def spare_plan(step: int, micro: int, rank: int, key: str = "use_spare") -> dict:
+    """Which (step, micro-batch, rank) uses the optional layer: step 0 everywhere; step 1
+    nowhere (no rank uses it: its .grad stays None); step 2 only group rank 0's last
+    micro-batch; step 3 only the first micro-batch (under no_sync: used, though not in the
+    synchronised one). `key`: forward's argument (use_spare) or the loss's (aux_loss)."""
+    return {key: (step == 0 or (step == 2 and rank == 0 and micro == 1) or (step == 3 and micro == 0))}
+
+
+def contract_checks(ctx: RankContext, seed: int) -> list[Check]:
+    """BucketedDDP against torch DDP, float64, 4 steps each, gradients (None kept), weights
+    and buffers: find_unused_parameters, BatchNorm buffers with and without broadcast_buffers,
+    tied weights, and two process groups (the even and the odd ranks) at once."""
+    def pair(name: str, make, **kwargs) -> Check:
+        try:  # every rank meets the same error at the same point: no peer is left waiting
+            runs = {engine: train_contract(ctx, engine, make(), 4, seed, **kwargs)
+                    for engine in ("ours", "torch")}
+        except RuntimeError as exc:
+            return Check(name, False, f"raised {str(exc)[:150]}")
+        gap, where = contract_gap(runs["ours"], runs["torch"])
+        return Check(name, gap <= TOLERANCE, f"max |ours - torch| {gap:.1e} ({where})")
+
+    def different(cls):  # a different model on every rank: the construction must fix it
+        return lambda: build(cls, seed + ctx.rank, ctx.device)
+
+    halves = [list(range(ctx.world_size))[start::2] for start in (0, 1) if start < ctx.world_size]
+    groups = [dist.new_group(ranks) for ranks in halves]  # every rank creates every group
+    mine = next(g for g, ranks in zip(groups, halves) if ctx.rank in ranks)
+    return [
+        pair("find_unused_parameters: a layer some steps and ranks skip, one no step uses == torch "
+             "DDP (grads, None kept, weights)", different(lambda: SpareMLP(idle=True)), accumulation=2,
+             use=spare_plan, find_unused_parameters=True),
+        pair("find_unused_parameters: an output the loss leaves out on some steps and ranks == "
+             "torch DDP (grads, None kept, weights)", different(TwoHeadMLP), accumulation=2,
+             use=lambda *at: spare_plan(*at, key="aux_loss"), find_unused_parameters=True),
+        pair("broadcast_buffers: BatchNorm's running stats, weights == torch DDP on every rank",
+             different(NormMLP), accumulation=2),
+        pair("broadcast_buffers=False: each rank keeps its own running stats, as torch DDP",
+             different(NormMLP), accumulation=2, broadcast_buffers=False),
+        pair("tied weights (one layer used twice, a weight in two roles) counted once == torch DDP",
+             different(TiedMLP), d_out=16),
+        pair(f"process groups {halves} at once == torch DDP on each group",
+             different(data_parallel.TinyMLP), accumulation=2, group=mine),
+    ]
 
 
 def verify_worker(ctx: RankContext, seed: int, steps: int, batch: int, fault: str | None,
@@ -256,6 +443,7 @@ def verify_worker(ctx: RankContext, seed: int, steps: int, batch: int, fault: st
     message = unused_parameter_error(ctx, seed)  # hooks run on one rank too
     checks.append(Check("unused parameters give a clear error", "spare.weight" in message,
                         message[:90] + "..." if message else "no error raised"))
+    checks += contract_checks(ctx, seed)
     metrics = {"final_loss": float(runs["bucketed"]["losses"][-1]), "buckets": buckets,
                "max_param_diff_vs_torch": max_abs_diff(runs["bucketed"]["params"],
                                                        runs["torch"]["params"])}

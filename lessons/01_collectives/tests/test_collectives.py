@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from lessons._checks import compare, sum_order_tolerance
-from lessons._launch import WorkerError, launch
+from lessons._launch import launch
 from lessons._report import merge_rank_checks
 from lessons._testing import assert_argument_error, exercise, run_under_torchrun
 
@@ -168,12 +168,14 @@ class TestChunksAndFormulas(unittest.TestCase):
     def test_compare_catches_one_ulp_and_respects_the_bound(self):
         a = torch.tensor([1.0, 2.0])
         b = torch.nextafter(a, torch.tensor(3.0))
-        self.assertFalse(compare(a, b, None)[0])
-        self.assertTrue(compare(a, a.clone(), None)[0])
+        self.assertEqual(compare(a, b, None), (False, "2 elements differ"), "each one ulp apart, exact")
+        self.assertEqual(compare(a, a.clone(), None), (True, "exact"), "equal tensors, exact")
         bound = sum_order_tolerance(torch.tensor([1.0, 2.0], dtype=torch.float64), 3,
                                     torch.float32)
-        self.assertTrue(compare(a, a + bound.float() * 0.5, bound)[0])
-        self.assertFalse(compare(a, a + bound.float() * 4, bound)[0])
+        self.assertTrue(compare(a, a + bound.float() * 0.5, bound)[0],
+                        f"expected half the bound {bound.tolist()} to pass, got a failure")
+        self.assertFalse(compare(a, a + bound.float() * 4, bound)[0],
+                         f"expected 4x the bound {bound.tolist()} to fail, got a pass")
 
     def test_uneven_counts_pattern(self):
         for world in (1, 2, 3, 5):
@@ -207,6 +209,19 @@ class TestDocNumbers(unittest.TestCase):
             self.assertIn(text, readme)
             self.assertEqual(float(re.sub(r"[^\d.]", "", text.split()[0])), float(value), text)
 
+    def test_readme_test_description_numbers(self):
+        """The hand-worked inputs' digits, the subgroups the tests run on, the planted bugs."""
+        readme = (LESSON_DIR / "README.md").read_text()
+        group02 = (W.hand_input(0, 2) + W.hand_input(2, 2)).tolist()
+        self.assertIn(f"reads {group02[0]}, {group02[1]}, ...", readme)
+        self.assertIn(f"plants {len(json.loads((LESSON_DIR / 'bugs.json').read_text()))} mistakes", readme)
+        self.assertEqual(W.CONFIGS[3][1], [[0, 2]], "README: over ranks {0, 2} (rank 1 idle)")
+        self.assertEqual(W.CONFIGS[5][1:], [[[0, 2, 4], [1, 3]], [[1, 2, 3, 4]], [[r] for r in range(5)]],
+                         "README: {0, 2, 4} and {1, 3} at once, then {1, 2, 3, 4}, then each rank alone")
+        sizes = {len(g) for configs in W.CONFIGS.values() for config in configs if config
+                 for g in config} | set(W.CONFIGS)
+        self.assertEqual(sizes, {1, 2, 3, 4, 5}, "README: every exercise runs with p = 1 to 5")
+
     def test_quiz_numeric_answers_come_from_the_code(self):
         quiz = json.loads((LESSON_DIR / "quiz.json").read_text())
         numeric = [q for q in quiz["questions"] if q["type"] == "numeric"]
@@ -224,21 +239,28 @@ class TestDocNumbers(unittest.TestCase):
 
 # ----------------------------------------------------------------------------- the exercises
 
-WORLDS = (1, 2, 3, 5)
 EXERCISE_TIMEOUT_S = 30  # the work takes about a second: a hang or deadlock fails fast
 
 
+def launch_exercise(worker, world: int, args: tuple = ()) -> list:
+    """One launch of `worker` on `world` ranks over every group configuration of
+    W.CONFIGS[world] (a failure or hang names the configuration each rank was running: the
+    workers announce it with lessons._launch.phase)."""
+    return launch(worker, world, (W.CONFIGS[world], *args), device="cpu", timeout_s=EXERCISE_TIMEOUT_S)
+
+
 class _ExerciseCase(unittest.TestCase):
-    """Launches `worker` once per world size (setUpClass) and checks named results: each
-    worker returns, per rank, a list of cases {"case": ..., check: [passed, detail], ...}."""
+    """Launches `worker` once per world size of W.CONFIGS (3 and 5 ranks), each launch running
+    every group configuration of that size (setUpClass: a failed launch fails the class's
+    tests once, it is not relaunched per test), and checks named results: each worker returns,
+    per rank, a list of cases {"case": ..., "where": ..., check: [passed, detail], ...}."""
 
     worker = None
     args: tuple = ()
 
     @classmethod
     def setUpClass(cls):
-        cls.results = {world: launch(cls.worker, world, cls.args, device="cpu",
-                                     timeout_s=EXERCISE_TIMEOUT_S) for world in WORLDS}
+        cls.results = {world: launch_exercise(cls.worker, world, cls.args) for world in W.CONFIGS}
 
     def assert_check(self, check: str):
         seen = 0
@@ -248,10 +270,29 @@ class _ExerciseCase(unittest.TestCase):
                     if check in case:
                         seen += 1
                         passed, detail = case[check]
-                        with self.subTest(world=world, rank=rank, case=case["case"]):
-                            self.assertTrue(passed, f"{check}, p={world}, rank {rank}, "
-                                                    f"{case['case']}: {detail}")
-        self.assertGreater(seen, 0, f"no case checked {check!r}")
+                        if not passed:
+                            self.fail(f"{check}, {world} ranks, {case['where']}, global rank "
+                                      f"{rank}, {case['case']}: {detail}")
+        self.assertGreater(seen, 0, f"expected cases checking {check!r}, found none")
+
+    def hand_values(self) -> dict:
+        """{(world, where, global rank, case): values} of the hand-worked cases."""
+        return {(world, case["where"], rank, case["case"]): case["values"]
+                for world, per_rank in self.results.items() for rank, cases in enumerate(per_rank)
+                for case in cases if "values" in case}
+
+    def assert_hand(self, expected: dict) -> None:
+        """Each hand-worked result equals the value worked out by hand in the test."""
+        got = self.hand_values()
+        for key, value in expected.items():
+            with self.subTest(key=key):
+                self.assertIn(key, got, f"expected a hand-worked result for {key}, found none")
+                self.assertEqual(got[key], value, f"{key[3]} on {key[0]} ranks, {key[1]}, global "
+                                                  f"rank {key[2]}: expected {value}, got {got[key]}")
+
+
+WORLD3, GROUP02 = "group=None (all 3 ranks)", "group=ranks [0, 2] of 3"
+GROUP13 = "group=ranks [1, 3] of 5"
 
 
 @exercise("ring-reduce-scatter")
@@ -271,6 +312,19 @@ class TestRingReduceScatter(_ExerciseCase):
     def test_input_is_unchanged(self):
         self.assert_check("input_unchanged")
 
+    def test_hand_worked_sums_on_the_world_and_on_subgroups(self):
+        """Rank r holds [1, 2, ..., n] * 10**r. 3 ranks: the sum [111, 222, 333, 444, 555] in
+        chunks of 2, 2, 1; ranks {0, 2}: [101, ..., 505] in chunks of 3 and 2 (rank 2 is the
+        group's rank 1); n = 2 on 3 ranks leaves rank 2 an empty chunk."""
+        self.assert_hand({
+            (3, WORLD3, 0, "hand 5"): [111, 222], (3, WORLD3, 1, "hand 5"): [333, 444],
+            (3, WORLD3, 2, "hand 5"): [555],
+            (3, GROUP02, 0, "hand 5"): [101, 202, 303], (3, GROUP02, 2, "hand 5"): [404, 505],
+            (3, WORLD3, 0, "hand 2"): [111], (3, WORLD3, 1, "hand 2"): [222],
+            (3, WORLD3, 2, "hand 2"): [],
+            (5, GROUP13, 1, "hand 5"): [1010, 2020, 3030], (5, GROUP13, 3, "hand 5"): [4040, 5050],
+        })
+
 
 @exercise("ring-all-gather")
 class TestRingAllGather(_ExerciseCase):
@@ -287,9 +341,19 @@ class TestRingAllGather(_ExerciseCase):
         self.assert_check("input_unchanged")
 
     def test_wrong_chunk_size_is_a_value_error_naming_the_rank(self):
-        with self.assertRaises(WorkerError) as caught:
-            launch(W.wrong_chunk_worker, 2, device="cpu", timeout_s=EXERCISE_TIMEOUT_S)
-        self.assertRegex(str(caught.exception), r"ValueError: .*rank \d")
+        self.assert_check("value_error_naming_the_rank")
+
+    def test_hand_worked_gathers_on_the_world_and_on_subgroups(self):
+        """Group rank g holds chunk g of [1, ..., n], plus 10 x its global rank: 3 ranks, n = 5
+        (chunks 2, 2, 1) gather [1, 2, 13, 14, 25]; ranks {0, 2} (chunks 3, 2) gather
+        [1, 2, 3, 24, 25]; n = 2 on 3 ranks (rank 2's chunk empty): [1, 12]."""
+        expected = {}
+        for rank in range(3):
+            expected[(3, WORLD3, rank, "hand 5")] = [1, 2, 13, 14, 25]
+            expected[(3, WORLD3, rank, "hand 2")] = [1, 12]
+        for rank in (0, 2):
+            expected[(3, GROUP02, rank, "hand 5")] = [1, 2, 3, 24, 25]
+        self.assert_hand(expected)
 
 
 @exercise("ring-all-reduce")
@@ -312,6 +376,15 @@ class TestRingAllReduce(_ExerciseCase):
     def test_input_is_unchanged(self):
         self.assert_check("input_unchanged")
 
+    def test_hand_worked_sums_keep_the_shape(self):
+        """[1..6] * 10**r as a 3 x 2 matrix: every rank of 3 gets [[111, 222], [333, 444],
+        [555, 666]]; ranks {0, 2} get [[101, 202], [303, 404], [505, 606]]."""
+        expected = {(3, WORLD3, r, "hand (3, 2)"): [[111, 222], [333, 444], [555, 666]]
+                    for r in range(3)}
+        expected.update({(3, GROUP02, r, "hand (3, 2)"): [[101, 202], [303, 404], [505, 606]]
+                         for r in (0, 2)})
+        self.assert_hand(expected)
+
 
 @exercise("tree-broadcast")
 class TestTreeBroadcast(_ExerciseCase):
@@ -325,6 +398,18 @@ class TestTreeBroadcast(_ExerciseCase):
 
     def test_bytes_sent_equal_the_formula(self):
         self.assert_check("bytes")
+
+    def test_hand_worked_root_is_a_rank_of_the_group(self):
+        """Root = the group's last rank, in place: on 3 ranks global rank 2's [100, 200, 300];
+        on ranks {0, 2} the group's rank 1 is global rank 2 as well; on ranks {1, 3} of 5,
+        global rank 3's [1000, 2000, 3000]."""
+        expected = {(3, WORLD3, r, "hand, root = last rank of the group"): [100, 200, 300]
+                    for r in range(3)}
+        expected.update({(3, GROUP02, r, "hand, root = last rank of the group"): [100, 200, 300]
+                         for r in (0, 2)})
+        expected.update({(5, GROUP13, r, "hand, root = last rank of the group"): [1000, 2000, 3000]
+                         for r in (1, 3)})
+        self.assert_hand(expected)
 
 
 @exercise("all-to-all")
@@ -347,6 +432,19 @@ class TestAllToAll(_ExerciseCase):
     def test_bad_counts_are_a_value_error_naming_the_rank(self):
         self.assert_check("value_error_naming_the_rank")
 
+    def test_hand_worked_dispatch(self):
+        """Rank r sends (r + j) % 3 rows to group rank j, row k of that block holding
+        100 x global rank + 10 j + k. On 3 ranks the counts are [0, 1, 2], [1, 2, 0] and
+        [2, 0, 1]: rank 0 receives [100] from rank 1 and [200, 201] from rank 2; rank 1 gets
+        [10], then [110, 111] from itself; rank 2 gets [20, 21] and [220]. On ranks {0, 2} the
+        counts are [0, 1] and [1, 2]: global rank 0 gets [200]; global rank 2 gets [10] from
+        rank 0 and [210, 211] from itself."""
+        self.assert_hand({
+            (3, WORLD3, 0, "hand"): [100, 200, 201], (3, WORLD3, 1, "hand"): [10, 110, 111],
+            (3, WORLD3, 2, "hand"): [20, 21, 220],
+            (3, GROUP02, 0, "hand"): [200], (3, GROUP02, 2, "hand"): [10, 210, 211],
+        })
+
 
 # ----------------------------------------------------------------------------- the demo's checks
 
@@ -358,7 +456,7 @@ class TestAgainstTorch(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.results = {}
-        for world in WORLDS:
+        for world in (1, 2, 3, 5):
             cases = [(0, "int64"), (world + 1, "int64"), (1001, "float64"), (64, "float16")]
             cls.results[world] = launch(W.suite_worker, world, (cases,), device="cpu",
                                         timeout_s=120)
@@ -370,13 +468,14 @@ class TestAgainstTorch(unittest.TestCase):
                                             for rank_result in per_rank])
                 for check in merged:
                     with self.subTest(world=world, case=case["case"], check=check.name):
-                        self.assertTrue(check.passed, check.detail)
+                        self.assertTrue(check.passed, f"{world} ranks, {case['case']}, "
+                                                      f"{check.name}: {check.detail}")
 
     def test_checks_are_all_there(self):
         names = [c["name"] for c in self.results[3][0]["cases"][0]["checks"]]
-        self.assertEqual(len(names), 15)
-        self.assertEqual(sum("== formula" in name for name in names), 5)
-        self.assertEqual(sum("all-to-all" in name for name in names), 4)
+        self.assertEqual(len(names), 15, f"the checks of verify_collectives: {names}")
+        self.assertEqual(sum("== formula" in name for name in names), 5, names)
+        self.assertEqual(sum("all-to-all" in name for name in names), 4, names)
 
 
 class TestTorchrun(unittest.TestCase):
@@ -385,14 +484,16 @@ class TestTorchrun(unittest.TestCase):
 
     def test_one_node_two_processes(self):
         report = run_under_torchrun(MAIN_PY, ["--numel", "50", "--quick"], nproc_per_node=2)
-        self.assertTrue(report["passed"], report["checks"])
+        self.assertTrue(report["passed"], [c for c in report["checks"] if not c["passed"]])
         self.assertEqual(report["world_size"], 2)
         self.assertEqual(report["metrics"]["bytes_sent_per_rank"], [200, 200])
+        self.assertIn("subgroups [[0], [1]]", " ".join(c["name"] for c in report["checks"]),
+                      "the demo checks every collective on subgroups too")
 
     def test_two_nodes_on_loopback(self):
         report = run_under_torchrun(MAIN_PY, ["--numel", "51", "--dtype", "int64", "--quick"],
                                     nproc_per_node=1, nnodes=2)
-        self.assertTrue(report["passed"], report["checks"])
+        self.assertTrue(report["passed"], [c for c in report["checks"] if not c["passed"]])
         self.assertEqual(report["world_size"], 2)
         self.assertEqual(report["metrics"]["bytes_sent_per_rank"],
                          [M.ring_bytes_sent(51, 8, 2, r)["all_reduce"] for r in range(2)])

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
 
 from lessons._checks import max_abs_diff as _max_abs_diff
 from lessons._launch import launch
@@ -30,6 +32,7 @@ from lessons._testing import (
 data_parallel = importlib.import_module("lessons.02_data_parallel.main")
 cost_model = importlib.import_module("lessons.02_data_parallel.cost_model")
 checks = importlib.import_module("lessons.02_data_parallel.checks")
+find_unused = importlib.import_module("lessons.02_data_parallel.find_unused")
 W = importlib.import_module("lessons.02_data_parallel.tests.workers")
 LESSON_DIR = Path(data_parallel.__file__).resolve().parent
 README = (LESSON_DIR / "README.md").read_text()
@@ -53,6 +56,8 @@ class TestBuckets(unittest.TestCase):
         self.assertEqual(data_parallel.assign_buckets_by_size([100, 1, 1], 10), [[2, 1, 0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([5, 5, 5, 5], 1), [[3], [2], [1], [0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([4, 4, 4], 8), [[2, 1], [0]])
+        self.assertEqual(data_parallel.assign_buckets_by_size([5, 5, 6], 6), [[2], [1, 0]],
+                         "a new bucket starts empty: 5 bytes stay below the 6-byte cap")
         self.assertEqual(data_parallel.assign_buckets_by_size([], 10), [])
 
     def test_first_bucket_has_its_own_cap(self):
@@ -111,7 +116,8 @@ class TestBuckets(unittest.TestCase):
 class TestLocalShards(unittest.TestCase):
     def test_local_shards_tile_the_batch(self):
         x = torch.arange(12.0).reshape(12, 1)
-        self.assertTrue(torch.equal(torch.cat([data_parallel.local_shard(x, r, 3) for r in range(3)]), x))
+        tiled = torch.cat([data_parallel.local_shard(x, r, 3) for r in range(3)])
+        self.assertEqual(tiled.reshape(-1).tolist(), x.reshape(-1).tolist(), "3 shards of 12 rows, in order")
         with self.assertRaisesRegex(ValueError, "not divisible"):
             data_parallel.local_shard(x, 0, 5)
 
@@ -181,6 +187,29 @@ class TestDocNumbers(unittest.TestCase):
                                                           1024)), 3)
         self.assertIn("1,024-byte cap gives 3 buckets", README)
 
+    def test_hand_worked_example(self):
+        """The one-weight example of The math, from autograd in one process."""
+        def gradient(ranks) -> float:
+            weight = nn.Parameter(torch.ones(1, 1, dtype=torch.float64))
+            x = torch.tensor([v for r in ranks for v in W.HAND_X[r]], dtype=torch.float64).reshape(-1, 1)
+            y = torch.tensor([v for r in ranks for v in W.HAND_Y[r]], dtype=torch.float64).reshape(-1, 1)
+            F.mse_loss(x @ weight, y).backward()
+            return weight.grad.item()
+
+        local = [gradient([r]) for r in range(3)]
+        self.assertEqual([round(g, 12) for g in local], [3.0, 6.0, 2.0], "each rank's own gradient")
+        self.assertIn("mean(2, 4) = 3", README)
+        self.assertIn("mean(12, 0) = 6", README)
+        self.assertIn("mean(4, 0) = 2", README)
+        self.assertAlmostEqual(gradient([0, 1, 2]), 11 / 3, delta=1e-12, msg="all six rows")
+        self.assertIn(f"(3 + 6 + 2) / 3 = 11/3 = {11 / 3:.3f}", README)
+        self.assertAlmostEqual(gradient([0, 2]), 2.5, delta=1e-12, msg="ranks 0 and 2")
+        self.assertIn("(3 + 2) / 2 = 2.5", README)
+        skipped = (local[0] + 0 + local[2]) / 3
+        self.assertIn(f"(3 + 0 + 2) / 3 = 5/3 = {skipped:.3f}", README)
+        bugs = json.loads((LESSON_DIR / "bugs.json").read_text())
+        self.assertIn(f"lists {len(bugs)} mistakes", README)
+
     def test_quiz_numeric_answers(self):
         quiz = json.loads((LESSON_DIR / "quiz.json").read_text())
         numeric = [q for q in quiz["questions"] if q["type"] == "numeric"]
@@ -212,7 +241,14 @@ class TestAgainstReferences(unittest.TestCase):
         assert_every_check_passes(self, self.results)
 
     def test_bucket_count_reported(self):
-        self.assertEqual(self.results[2][0]["metrics"]["buckets"], 3)
+        self.assertEqual(self.results[2][0]["metrics"]["buckets"], 3, "buckets of the demo's model")
+
+    def test_torch_contract_checks_are_there(self):
+        names = [c["name"] for c in self.results[3][0]["checks"]]
+        for fragment in ("find_unused_parameters", "broadcast_buffers:", "broadcast_buffers=False",
+                         "tied weights", "process groups [[0, 2], [1]]"):
+            self.assertTrue(any(fragment in name for name in names),
+                            f"expected a check about {fragment!r}, got {names}")
 
     def test_bench_runs_and_its_timelines_are_ordered(self):
         """The benchmark's plumbing (no timing value is asserted)."""
@@ -224,13 +260,16 @@ class TestAgainstReferences(unittest.TestCase):
             with self.subTest(variant=name):
                 self.assertEqual(line["launch_s"], sorted(line["launch_s"]))
                 self.assertLessEqual(line["launch_s"][-1], line["backward_end_s"])
-                self.assertTrue(all(done >= line["backward_end_s"] for done in line["reduced_s"]))
+                self.assertTrue(all(done >= line["backward_end_s"] for done in line["reduced_s"]),
+                                f"expected every bucket reduced after backward ended at "
+                                f"{line['backward_end_s']}, got {line['reduced_s']}")
                 self.assertEqual(sum(line["bucket_bytes"]), result["params"] * 4)
 
 
 class TestOnRanks(unittest.TestCase):
     """One launch on 3 ranks: each exercise's section (workers.exercise_checks; a section that
-    raised comes back as its error, and fails that exercise's tests alone)."""
+    raised comes back as its error, and fails that exercise's tests alone), first over every
+    rank (group=None), then over two subgroups at once: ranks {0, 2} and rank 1 alone."""
 
     world = 3
     seed = 5
@@ -239,49 +278,107 @@ class TestOnRanks(unittest.TestCase):
     def setUpClass(cls):
         cls.results = launch(W.exercise_checks, cls.world, (cls.seed,), device="cpu", timeout_s=90)
 
-    def section(self, name: str) -> list[dict]:
-        """The section's result on every rank; the test fails with its error if it raised."""
-        for rank, result in enumerate(self.results):
-            if "error" in result[name]:
-                self.fail(f"rank {rank}: {result[name]['error']}")
-        return [result[name] for result in self.results]
+    def configurations(self, name: str):
+        """(where, global rank, group size, group rank, the section's result) for the section
+        over every rank, then over the subgroups; the test fails with a section's error."""
+        for suffix in ("", " in subgroups"):
+            for rank, result in enumerate(self.results):
+                members = [range(self.world)] if not suffix else W.SUBGROUPS
+                group = next(list(g) for g in members if rank in g)
+                where = f"group=None (3 ranks), rank {rank}" if not suffix else \
+                    f"group=ranks {group} of 3, global rank {rank}"
+                section = result[name + suffix]
+                if "error" in section:
+                    self.fail(f"{name}, {where}: raised {section['error']}")
+                yield where, rank, len(group), group.index(rank), section
 
-    def assert_average(self, got, reference, local=None, what: str = "") -> None:
-        """`got` is the average `reference` (float64, within checks.TOLERANCE); else say which
-        usual mistake it looks like."""
+    def first_rank(self, where: str, rank: int) -> int:
+        """The global rank of group rank 0 in the configuration `where` names."""
+        return 0 if where.startswith("group=None") else next(g for g in W.SUBGROUPS if rank in g)[0]
+
+    def assert_average(self, got, reference, world: int, local=None, what: str = "") -> None:
+        """`got` is the average `reference` (float64, within checks.TOLERANCE) over `world`
+        ranks; else say which usual mistake it looks like."""
         got, reference = torch.tensor(got, dtype=torch.float64), torch.tensor(reference, dtype=torch.float64)
         self.assertEqual(got.shape, reference.shape, f"{what}: gradient sizes differ")
         gap = max_abs_diff(got, reference)
         if gap <= checks.TOLERANCE:
             return
-        if max_abs_diff(got, reference * self.world) <= checks.TOLERANCE:
-            self.fail(f"{what}: the SUM over ranks, p = {self.world} times the average (divide by "
-                      f"the world size)")
+        if world > 1 and max_abs_diff(got, reference * world) <= checks.TOLERANCE:
+            self.fail(f"{what}: expected the average, got the SUM over ranks, p = {world} times it "
+                      f"(divide by the group's size)")
+        for other in (1, 2, 3):
+            if other != world and max_abs_diff(got * other, reference * world) <= checks.TOLERANCE:
+                self.fail(f"{what}: expected the sum divided by the group's size {world}, got it "
+                          f"divided by {other}")
         if local is not None and max_abs_diff(got, local) <= checks.TOLERANCE:
-            self.fail(f"{what}: still this rank's local gradient (nothing reduced into .grad)")
-        self.fail(f"{what}: max |grad - average| = {gap:.2e} > {checks.TOLERANCE:g}")
+            self.fail(f"{what}: expected the average, got this rank's local gradient (nothing "
+                      f"reduced into .grad)")
+        self.fail(f"{what}: expected the average, got max |grad - average| = {gap:.2e} > "
+                  f"{checks.TOLERANCE:g} (first values expected {reference[:3].tolist()}, got "
+                  f"{got[:3].tolist()})")
+
+    def assert_grads(self, got: list, expected: list, what: str) -> None:
+        """Per parameter: None where None is expected, else the expected values (float64)."""
+        self.assertEqual(len(got), len(expected), f"{what}: expected {len(expected)} parameters")
+        for index, (mine, theirs) in enumerate(zip(got, expected)):
+            if (mine is None) != (theirs is None):
+                self.fail(f"{what}, parameter {index}: expected .grad "
+                          f"{'None' if theirs is None else 'a tensor'}, got "
+                          f"{'None' if mine is None else 'a tensor: ' + str(mine[:3])}")
+            if mine is not None:
+                gap = max_abs_diff(mine, theirs)
+                self.assertLessEqual(gap, checks.TOLERANCE,
+                                     f"{what}, parameter {index}: expected {theirs[:3]}..., got "
+                                     f"{mine[:3]}... (max gap {gap:.1e})")
 
     # ------------------------------------------------------------------ average-gradients
 
     @exercise("average-gradients")
     def test_naive_all_reduce_averages_every_gradient(self):
-        reference = W.reference_gradient(self.seed, self.seed, self.world, unused=True)
-        for rank, result in enumerate(self.section("average")):
-            self.assert_average(result["naive"]["grads"], reference, what=f"naive, rank {rank}")
-            self.assertEqual(result["naive"]["count"], 6, "one all-reduce per parameter WITH a gradient")
-            self.assertTrue(result["naive"]["spare_has_no_grad"], "a parameter without gradient is skipped")
+        for where, _, world, _, result in self.configurations("average"):
+            reference = W.reference_gradient(self.seed, self.seed, world, unused=True)
+            self.assert_average(result["naive"]["grads"], reference, world, what=f"naive, {where}")
+            self.assertEqual(result["naive"]["count"], 6,
+                             f"naive, {where}: expected one all-reduce per parameter WITH a gradient")
+            self.assertTrue(result["naive"]["spare_has_no_grad"],
+                            f"naive, {where}: expected the unused layer's .grad to stay None, got a tensor")
 
     @exercise("average-gradients")
     def test_flat_all_reduce_averages_and_copies_back(self):
-        reference = W.reference_gradient(self.seed, self.seed, self.world, unused=True)
-        for rank, result in enumerate(self.section("average")):
-            self.assert_average(result["flat"]["grads"], reference, what=f"flat, rank {rank}")
-            self.assertEqual(result["flat"]["count"], 1, "one all-reduce in all")
-            self.assertTrue(result["flat"]["spare_has_no_grad"], "a parameter without gradient is skipped")
+        for where, _, world, _, result in self.configurations("average"):
+            reference = W.reference_gradient(self.seed, self.seed, world, unused=True)
+            self.assert_average(result["flat"]["grads"], reference, world, what=f"flat, {where}")
+            self.assertEqual(result["flat"]["count"], 1, f"flat, {where}: expected one all-reduce in all")
+            self.assertTrue(result["flat"]["spare_has_no_grad"],
+                            f"flat, {where}: expected the unused layer's .grad to stay None, got a tensor")
+
+    @exercise("average-gradients")
+    def test_grads_are_averaged_in_place(self):
+        for where, _, _, _, result in self.configurations("average"):
+            for kind in ("naive", "flat"):
+                self.assertTrue(result[kind]["same_storage"],
+                                f"{kind}, {where}: expected each .grad to keep its storage (averaged "
+                                f"in place), got a new tensor")
+
+    @exercise("average-gradients")
+    def test_hand_worked_one_weight(self):
+        """y = w x, w = 1, two rows per rank: rank 0 x = [1, 2], y = [0, 1], its gradient
+        mean(2 x (w x - y)) = mean([2, 4]) = 3; rank 1 x = [3, 0], y = [1, 2]: mean([12, 0]) = 6;
+        rank 2 x = [-1, 1], y = [1, 1]: mean([4, 0]) = 2. The average over 3 ranks is 11/3,
+        over ranks {0, 2} 2.5; rank 1 alone keeps 6."""
+        expected = {"group=None": 11 / 3, "[0, 2]": 2.5, "[1]": 6.0}
+        for where, _, _, _, result in self.configurations("average"):
+            want = next(v for k, v in expected.items() if k in where)
+            for kind in ("naive", "flat"):
+                self.assertAlmostEqual(result[kind]["hand"], want, delta=1e-12,
+                                       msg=f"{kind}, {where}: expected {want}, got {result[kind]['hand']}")
 
     def test_missing_broadcast_leaves_ranks_different(self):
-        results = self.section("average")
-        self.assertGreater(max_abs_diff(results[0]["no_broadcast"], results[1]["no_broadcast"]), 1e-3)
+        results = [r["average"] for r in self.results]
+        gap = max_abs_diff(results[0]["no_broadcast"], results[1]["no_broadcast"])
+        self.assertGreater(gap, 1e-3, f"expected ranks 0 and 1 to differ without the broadcast, got "
+                                      f"max gap {gap:.1e}")
 
     # ------------------------------------------------------------------ bucketed-reducer
 
@@ -297,99 +394,295 @@ class TestOnRanks(unittest.TestCase):
         """Buckets [[5, 4], [3, 2], [1, 0]], gradients 5, 4, ..., 0: bucket 0 starts right after
         gradient 4, while backward still runs (the overlap), and so on."""
         expected = self.expected_events([5, 4, 3, 2, 1, 0], {4: [0], 2: [1], 0: [2]})
-        for rank, result in enumerate(self.section("reducer")):
-            with self.subTest(rank=rank):
-                self.assertEqual([tuple(e) for e in result["in_order"]["events"]], expected)
+        for where, _, _, _, result in self.configurations("reducer"):
+            self.assertEqual([tuple(e) for e in result["in_order"]["events"]], expected,
+                             f"{where}: the events (gradient ready, launch, end of backward, reduced)")
 
     @exercise("bucketed-reducer")
     def test_buckets_launch_in_index_order_even_when_gradients_arrive_reversed(self):
         """BackwardsMLP: bucket 2 (fc1) and bucket 1 complete first, yet nothing launches before
         bucket 0, then 0, 1, 2 at once (every rank issues the same all-reduces in one order)."""
         expected = self.expected_events([1, 0, 3, 2, 5, 4], {4: [0, 1, 2]})
-        reference = W.reference_reordered_gradient(self.seed, self.world)
-        for rank, result in enumerate(self.section("reducer")):
-            with self.subTest(rank=rank):
-                self.assertEqual(result["reversed"]["buckets"], [[5, 4], [3, 2], [1, 0]])
-                self.assertEqual([tuple(e) for e in result["reversed"]["events"]], expected)
-                self.assert_average(result["reversed"]["grads"], reference, what="reversed gradients")
+        for where, _, world, _, result in self.configurations("reducer"):
+            reference = W.reference_reordered_gradient(self.seed, world)
+            self.assertEqual(result["reversed"]["buckets"], [[5, 4], [3, 2], [1, 0]], where)
+            self.assertEqual([tuple(e) for e in result["reversed"]["events"]], expected,
+                             f"{where}: the events when gradients arrive in reverse bucket order")
+            self.assert_average(result["reversed"]["grads"], reference, world,
+                                what=f"reversed gradients, {where}")
 
     @exercise("bucketed-reducer")
     def test_every_bucket_averaged_into_grad(self):
-        reference = W.reference_gradient(self.seed + 1000, self.seed, self.world)
-        for rank, result in enumerate(self.section("reducer")):
-            local = W.local_gradient(self.seed + 1000, self.seed, self.world, rank)
-            self.assert_average(result["in_order"]["grads"], reference, local, f"rank {rank}")
+        for where, rank, world, group_rank, result in self.configurations("reducer"):
+            # every rank built its own weights (seed + 1000 + rank): the broadcast gives group rank 0's
+            first = self.first_rank(where, rank)
+            reference = W.reference_gradient(self.seed + 1000 + first, self.seed, world)
+            local = W.local_gradient(self.seed + 1000 + first, self.seed, world, group_rank)
+            self.assert_average(result["in_order"]["grads"], reference, world, local, where)
+            self.assertEqual(result["in_order"]["same_storage"], [True] * 6,
+                             f"{where}: expected each average copied into the .grad autograd made "
+                             f"(in place), per parameter")
             self.assert_average(result["uneven"]["grads"],
-                                W.reference_gradient(self.seed, self.seed, self.world),
-                                what=f"buckets [[5], [4, 3, 2], [1, 0]], rank {rank}")
+                                W.reference_gradient(self.seed, self.seed, world), world,
+                                what=f"buckets [[5], [4, 3, 2], [1, 0]], {where}")
 
     @exercise("bucketed-reducer")
     def test_second_backward_starts_afresh(self):
-        reference = W.reference_gradient(self.seed + 1000, self.seed, self.world)
         expected = self.expected_events([5, 4, 3, 2, 1, 0], {4: [0], 2: [1], 0: [2]})
-        for rank, result in enumerate(self.section("reducer")):
-            with self.subTest(rank=rank):
-                self.assertEqual([tuple(e) for e in result["second_backward"]["events"]], expected)
-                self.assert_average(result["second_backward"]["grads"], reference,
-                                    what=f"second backward, rank {rank}")
+        for where, rank, world, _, result in self.configurations("reducer"):
+            first = self.first_rank(where, rank)
+            reference = W.reference_gradient(self.seed + 1000 + first, self.seed, world)
+            self.assertEqual([tuple(e) for e in result["second_backward"]["events"]], expected,
+                             f"second backward, {where}: the events")
+            self.assert_average(result["second_backward"]["grads"], reference, world,
+                                what=f"second backward, {where}")
 
     @exercise("bucketed-reducer")
     def test_unsynchronised_backward_communicates_nothing(self):
-        for rank, result in enumerate(self.section("reducer")):
-            with self.subTest(rank=rank):
-                events = [tuple(e) for e in result["unsynchronised"]["events"]]
-                self.assertEqual(events, [("grad", i) for i in (5, 4, 3, 2, 1, 0)],
-                                 "_sync_this_backward False: no launch, no callback")
-                local = W.local_gradient(self.seed + 1000, self.seed, self.world, rank)
-                self.assertLess(max_abs_diff(result["unsynchronised"]["grads"], local),
-                                checks.TOLERANCE, "the local gradient stays in .grad")
+        for where, rank, world, group_rank, result in self.configurations("reducer"):
+            events = [tuple(e) for e in result["unsynchronised"]["events"]]
+            self.assertEqual(events, [("grad", i) for i in (5, 4, 3, 2, 1, 0)],
+                             f"{where}: _sync_this_backward False: expected no launch, no callback")
+            first = self.first_rank(where, rank)
+            local = W.local_gradient(self.seed + 1000 + first, self.seed, world, group_rank)
+            gap = max_abs_diff(result["unsynchronised"]["grads"], local)
+            self.assertLess(gap, checks.TOLERANCE, f"{where}: expected the local gradient to stay "
+                                                   f"in .grad, got max gap {gap:.1e}")
 
     @exercise("bucketed-reducer")
     def test_unused_parameter_raises_naming_it(self):
-        for rank, result in enumerate(self.section("reducer")):
-            with self.subTest(rank=rank):
-                unused = result["unused"]
-                self.assertEqual(unused["raised"], "RuntimeError", unused["message"])
-                self.assertIn("spare.weight", unused["message"])
-                self.assertIn("spare.bias", unused["message"])
+        for where, _, _, _, result in self.configurations("reducer"):
+            unused = result["unused"]
+            self.assertEqual(unused["raised"], "RuntimeError",
+                             f"{where}: expected a RuntimeError naming spare.weight, got "
+                             f"{unused['raised'] or 'no error'} {unused['message'][:100]}")
+            for name in ("spare.weight", "spare.bias"):
+                self.assertIn(name, unused["message"], f"{where}: the error names every parameter")
+
+    @exercise("bucketed-reducer")
+    def test_find_unused_parameters_leaves_a_layer_no_rank_used_untouched(self):
+        """find_unused_parameters, the spare layer unused on every rank (given as forward would
+        find it): its .grad stays None (torch DDP does not write zeros into it), every other
+        .grad holds the average, and every bucket launches."""
+        for where, _, world, _, result in self.configurations("reducer"):
+            self.assert_grads(result["no_rank_used"]["grads"],
+                              W.spare_expected(self.seed, world, "no_rank_used"),
+                              f"no rank used the spare layer, {where}")
+            launches = [e[1] for e in result["no_rank_used"]["events"] if e[0] == "launch"]
+            self.assertEqual(launches, [0, 1, 2, 3], f"{where}: expected every bucket launched once, "
+                                                     f"in order")
+
+    @exercise("bucketed-reducer")
+    def test_find_unused_parameters_averages_a_layer_one_rank_used(self):
+        """Only group rank 0 ran the spare layer: every rank's spare .grad is rank 0's gradient
+        / p (the others count zero), the rest the average of each rank's own gradient."""
+        for where, _, world, _, result in self.configurations("reducer"):
+            self.assert_grads(result["rank_0_used"]["grads"],
+                              W.spare_expected(self.seed, world, "rank_0_used"),
+                              f"only group rank 0 used the spare layer, {where}")
+
+    @exercise("bucketed-reducer")
+    def test_find_unused_parameters_asks_the_process_group_who_used_it(self):
+        """Only global rank 1 ran the spare layer. Over 3 ranks: rank 1's gradient / 3
+        everywhere; on the subgroups, rank 1 alone keeps its own, and ranks 0 and 2, whose group
+        nobody used it in, keep .grad None (the used flags are all-reduced over the group)."""
+        for where, rank, world, _, result in self.configurations("reducer"):
+            users = (1,) if where.startswith("group=None") else ((0,) if rank == 1 else ())
+            self.assert_grads(result["global_rank_1_used"]["grads"],
+                              W.spare_expected(self.seed, world, "used_by", users),
+                              f"only global rank 1 used the spare layer, {where}")
+
+    @exercise("bucketed-reducer")
+    def test_find_unused_parameters_counts_a_use_under_no_sync(self):
+        """The spare layer ran in a no_sync micro-batch, not in the synchronised one: it is used
+        (torch DDP records uses in every backward), so its accumulated .grad is averaged."""
+        for where, _, world, _, result in self.configurations("reducer"):
+            self.assert_grads(result["used_under_no_sync"]["grads"],
+                              W.spare_expected(self.seed, world, "used_under_no_sync"),
+                              f"spare layer used under no_sync only, {where}")
+
+    @exercise("bucketed-reducer")
+    def test_find_unused_parameters_and_an_output_the_loss_leaves_out(self):
+        """TwoHeadMLP's aux head runs in forward but the loss leaves it out: its hooks fire
+        with .grad None (the outputs go through find_unused.through_sink, as forward sends
+        them). No rank's loss used it: .grad stays None; only group rank 0's did: rank 0's
+        gradient / p everywhere. The idle layer (given as unused) stays None."""
+        for case in ("aux_left_out", "aux_on_rank_0"):
+            for where, _, world, _, result in self.configurations("reducer"):
+                self.assert_grads(result[case]["grads"], W.spare_expected(self.seed, world, case),
+                                  f"{case}, {where}")
 
     # ------------------------------------------------------------------ no-sync
 
     @exercise("no-sync")
     def test_no_sync_clears_the_flag_and_restores_it(self):
-        for states in self.section("no_sync_flag"):
-            self.assertEqual((states["before"], states["inside"], states["after"]), (True, False, True))
+        for where, _, _, _, states in self.configurations("no_sync_flag"):
+            self.assertEqual((states["before"], states["inside"], states["after"]), (True, False, True),
+                             f"{where}: require_backward_grad_sync (before, inside, after no_sync)")
 
     @exercise("no-sync")
     def test_no_sync_restores_the_flag_when_the_body_raises(self):
-        for states in self.section("no_sync_flag"):
-            self.assertTrue(states["after_exception"], "restore in a finally block")
+        for where, _, _, _, states in self.configurations("no_sync_flag"):
+            self.assertTrue(states["after_exception"], f"{where}: expected the flag True again after "
+                                                       f"the body raised (restore in a finally block)")
 
     @exercise("no-sync")
     def test_no_sync_nests_and_restores_the_previous_value(self):
-        for states in self.section("no_sync_flag"):
+        for where, _, _, _, states in self.configurations("no_sync_flag"):
             self.assertEqual((states["nested_inside"], states["after_inner"], states["after_outer"]),
-                             (False, False, True))
-            self.assertFalse(states["preset_false_after"], "restore the value it had, not True")
+                             (False, False, True), f"{where}: (nested inside, after inner, after outer)")
+            self.assertFalse(states["preset_false_after"],
+                             f"{where}: expected False (the value it had), got True")
 
     @exercise("no-sync")
     def test_forward_decides_whether_its_backward_synchronises(self):
-        for result in self.section("no_sync_decision"):
-            self.assertEqual(result["plain"], [True])
-            self.assertEqual(result["both_inside"], [False])
+        for where, _, _, _, result in self.configurations("no_sync_decision"):
+            self.assertEqual(result["plain"], [True], f"{where}: a plain forward and backward")
+            self.assertEqual(result["both_inside"], [False], f"{where}: both inside no_sync")
             self.assertEqual(result["forward_inside_only"], [False],
-                             "decided at forward: leaving no_sync before backward changes nothing")
+                             f"{where}: decided at forward: leaving no_sync before backward changes nothing")
             self.assertEqual(result["backward_inside_only"], [True],
-                             "decided at forward: entering no_sync after it changes nothing")
-            self.assertEqual(result["accumulation"], [[False], [False], [True]])
-            self.assertFalse(result["no_grad_decision"], "a forward without grad mode never synchronises")
+                             f"{where}: decided at forward: entering no_sync after it changes nothing")
+            self.assertEqual(result["accumulation"], [[False], [False], [True]],
+                             f"{where}: three micro-batches, the first two inside no_sync")
+            self.assertFalse(result["no_grad_decision"],
+                             f"{where}: expected a forward without grad mode never to synchronise")
 
     @exercise("no-sync")
     def test_forward_starts_fresh_bookkeeping_and_returns_the_output(self):
-        for result in self.section("no_sync_decision"):
-            self.assertEqual(result["starts_after_init"], 1)
-            self.assertEqual(result["starts_per_forward"], 1, "call self._start_backward() once per forward")
-            self.assertTrue(result["output_unchanged"])
+        for where, _, _, _, result in self.configurations("no_sync_decision"):
+            self.assertEqual(result["starts_after_init"], 1, f"{where}: _start_backward calls after __init__")
+            self.assertEqual(result["starts_per_forward"], 1,
+                             f"{where}: expected self._start_backward() once per forward")
+            self.assertTrue(result["keywords_passed"], f"{where}: expected forward(x, use_spare=False) "
+                                                       f"to pass the keyword to the module")
+            self.assertTrue(result["output_unchanged"], f"{where}: expected forward to return the "
+                                                        f"module's output unchanged")
+
+    @exercise("no-sync")
+    def test_forward_asks_for_unused_parameters_only_when_it_synchronises(self):
+        """find_unused_parameters: a synchronised forward stores unused_parameters(output,
+        self.params) in _unused (the finder is given: it answers [99]); under no_sync, under
+        no_grad or with the flag off, forward does not ask and _unused stays []."""
+        for where, _, _, _, result in self.configurations("no_sync_decision"):
+            asked = result["unused"]
+            self.assertEqual((asked["plain"]["unused"], asked["plain"]["calls"]), ([99], 1),
+                             f"{where}: a synchronised forward: (_unused, calls to unused_parameters)")
+            self.assertTrue(asked["plain"]["with_output_and_params"],
+                            f"{where}: expected unused_parameters(the module's output, self.params)")
+            for name in ("no_sync", "no_grad", "flag_off"):
+                self.assertEqual((asked[name]["unused"], asked[name]["calls"]), ([], 0),
+                                 f"{where}, {name}: (_unused, calls to unused_parameters)")
+
+    @exercise("no-sync")
+    def test_forward_sends_its_outputs_through_the_sink(self):
+        """find_unused_parameters: forward returns find_unused.through_sink(output), the same
+        two tensors, so a loss on the first alone still fires the hooks of the second head's 2
+        parameters (with .grad None): 6 hook calls in all; without the flag, 4 and no None."""
+        for where, _, _, _, result in self.configurations("no_sync_decision"):
+            left_out = result["left_out"]
+            self.assertEqual((left_out["find_unused"]["hooks"], left_out["find_unused"]["grad_none"]),
+                             (6, 2), f"{where}, find_unused_parameters: (hook calls, of them with "
+                                     f".grad None) after a loss on the first output only")
+            self.assertEqual((left_out["flag_off"]["hooks"], left_out["flag_off"]["grad_none"]), (4, 0),
+                             f"{where}, find_unused_parameters off: (hook calls, with .grad None)")
+            for name in ("find_unused", "flag_off"):
+                self.assertTrue(left_out[name]["same_output"],
+                                f"{where}, {name}: expected the module's two outputs, same values")
+
+    @exercise("no-sync")
+    def test_forward_broadcasts_rank_0s_buffers_as_torch_ddp_does(self):
+        """Rank r sets its buffer to 10 r + k before forward k; the module reads group rank 0's
+        value after a synchronised forward (forwards 1, 2 and 4: the first, the one after it,
+        the no_grad one after a synchronised one) and its own after a no_sync or no_grad one
+        (3 and 5), as torch DDP's require_forward_param_sync decides; with
+        broadcast_buffers=False, its own every time (and at construction)."""
+        for where, rank, _, _, result in self.configurations("no_sync_decision"):
+            first = self.first_rank(where, rank)  # group rank 0's global rank
+            buffers = result["buffers"]
+            expected = [10.0 * first + 1, 10.0 * first + 2, 10.0 * rank + 3, 10.0 * first + 4,
+                        10.0 * rank + 5]
+            self.assertEqual(buffers["broadcast"]["seen"], expected,
+                             f"{where}: the buffer the module read at forwards 1..5 (plain, no_sync, "
+                             f"plain, no_grad, plain)")
+            self.assertEqual(buffers["broadcast"]["after_init"], -1.0 - first,
+                             f"{where}: the buffer after construction (rank 0's)")
+            self.assertEqual(buffers["no_broadcast"]["seen"], [10.0 * rank + k for k in range(1, 6)],
+                             f"{where}, broadcast_buffers=False: expected its own buffer every time")
+            self.assertEqual(buffers["no_broadcast"]["after_init"], -1.0 - rank,
+                             f"{where}, broadcast_buffers=False: not broadcast at construction either")
+
+
+@exercise("find-unused")
+class TestFindUnused(unittest.TestCase):
+    """`find_unused.unused_parameters` in one process, on graphs built here: layers skipped,
+    outputs in tuples and dicts, detached branches, tied weights, deep graphs."""
+
+    def setUp(self):
+        torch.manual_seed(0)
+        self.x = torch.randn(5, 16, dtype=torch.float64)
+
+    def assert_unused(self, output, params, expected: list[int], what: str) -> None:
+        got = find_unused.unused_parameters(output, params)
+        self.assertEqual(list(got), expected, f"{what}: expected unused indices {expected}, got {got}")
+
+    def test_a_layer_forward_never_calls(self):
+        model = data_parallel.make_model(0, unused=True)
+        self.assert_unused(model(self.x), list(model.parameters()), W.SPARE, "TinyMLP with its spare layer")
+
+    def test_a_layer_forward_skips_this_time(self):
+        model = checks.build(checks.SpareMLP, 0, "cpu")
+        params = list(model.parameters())
+        self.assert_unused(model(self.x, use_spare=True), params, [], "SpareMLP using the spare layer")
+        self.assert_unused(model(self.x, use_spare=False), params, W.SPARE, "SpareMLP skipping it")
+
+    def test_every_output_counts(self):
+        """A tuple, a dict with a list inside, non-tensor values and tensors without a graph."""
+        model = checks.build(checks.SpareMLP, 0, "cpu")
+        params = list(model.parameters())
+        main = model(self.x, use_spare=False)
+        aux = model.spare(torch.randn(5, 32, dtype=torch.float64))
+        labels = torch.arange(5)
+        self.assert_unused((main, aux), params, [], "(output, aux), aux through the spare layer")
+        self.assert_unused((aux, main), params, [], "(aux, output)")
+        self.assert_unused({"logits": labels, "extra": [None, 3, "text", (main, aux)]}, params, [],
+                           "a dict holding a list holding a tuple, beside non-tensors")
+        self.assert_unused([labels, main], params, W.SPARE, "[a tensor without graph, output]")
+        self.assert_unused(None, params, list(range(8)), "no tensor at all")
+
+    def test_a_detached_branch_is_unused(self):
+        model = checks.build(checks.SpareMLP, 0, "cpu")
+        hidden = F.relu(model.fc1(self.x))
+        output = model.head(F.relu(model.fc2(hidden))) + model.spare(hidden).detach()[:, :4]
+        self.assert_unused(output, list(model.parameters()), W.SPARE,
+                           "the spare layer's output detached before it joins")
+
+    def test_tied_weights_and_any_order(self):
+        model = checks.build(checks.TiedMLP, 0, "cpu")
+        params = list(model.parameters())
+        self.assertEqual(len(params), 4, "fc2 and its alias `again` are one layer")
+        self.assert_unused(model(self.x), params, [], "the tied model")
+        self.assert_unused(F.relu(model.fc1(self.x)), params[::-1], [0, 1],
+                           "fc1 alone, parameters listed in reverse: fc2's indices are 0 and 1")
+
+    def test_a_graph_deeper_than_the_recursion_limit(self):
+        """3,000 multiplications in a chain (and an input that requires grad, whose
+        AccumulateGrad is not a parameter): walk it without recursion."""
+        weight, other = nn.Parameter(torch.tensor(1.0)), nn.Parameter(torch.tensor(2.0))
+        value = torch.tensor(1.0, requires_grad=True)
+        for _ in range(3000):
+            value = value * weight
+        self.assert_unused(value, [other, weight], [0], "a 3,000-step chain through one weight")
+
+    def test_nothing_is_computed_or_changed(self):
+        model = data_parallel.make_model(0, unused=True)
+        output = model(self.x)
+        find_unused.unused_parameters(output, list(model.parameters()))
+        grads = [p.grad for p in model.parameters()]
+        self.assertEqual(grads, [None] * 8, "expected no .grad written by the search")
+        output.sum().backward()  # the graph is still there
+        self.assertIsNotNone(model.fc1.weight.grad, "expected the graph to survive the search")
+
 
 class TestCommandLine(unittest.TestCase):
     def test_bad_arguments_exit_2(self):
@@ -413,9 +706,9 @@ class TestTorchrun(unittest.TestCase):
     def test_one_node_two_processes(self):
         report = run_under_torchrun(LESSON_DIR / "main.py", ["--steps", "1", "--batch", "4"],
                                     nproc_per_node=2)
-        self.assertTrue(report["passed"], report["checks"])
+        self.assertTrue(report["passed"], [c for c in report["checks"] if not c["passed"]])
         self.assertEqual((report["world_size"], report["device"]), (2, "cpu"))
-        self.assertEqual(len(report["checks"]), 12)
+        self.assertEqual(len(report["checks"]), 18, [c["name"] for c in report["checks"]])
 
 
 if __name__ == "__main__":

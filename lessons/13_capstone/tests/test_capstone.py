@@ -234,7 +234,7 @@ class TestAccumulationStep(unittest.TestCase):
         """accumulation_step on self.model (DDP with small buckets: several all-reduces)."""
         launches = []
         ddp = M.data_parallel.BucketedDDP(
-            self.model, bucket_cap_bytes=4096,
+            self.model, bucket_cap_mb=4096 / 2**20,
             on_event=lambda kind, bucket: launches.append(bucket) if kind == "launch" else None)
         optimizer = torch.optim.SGD(self.model.parameters(), lr=1.0)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
