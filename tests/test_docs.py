@@ -76,5 +76,60 @@ class TestDocsEqualCode(unittest.TestCase):
             self.assertIn("```mermaid", text, lesson["folder"])
 
 
+def exercise_rows(markdown: str) -> dict[str, str]:
+    """{exercise id: its row} of the table under "## Exercises" (rows start with "| `id` |")."""
+    section = markdown.split("\n## Exercises", 1)[-1].split("\n## ", 1)[0]
+    return {match.group(1): line for line in section.splitlines()
+            if (match := re.match(r"^\|\s*`([a-z0-9-]+)`\s*\|", line))}
+
+
+def written_calls(row: str) -> set[str]:
+    """The functions a table row says the learner writes: its code spans written as calls."""
+    return {m.group(1) for span in INLINE.findall(row) if (m := CALL.match(span.strip()))}
+
+
+class TestExerciseTables(unittest.TestCase):
+    """Each README's exercise table lists exactly what `course exercise` stubs: a row per
+    exercise, naming every stubbed function, method or class (`name(...)`, `Class.name(...)`,
+    `Class`), and no other function as a call (what a learner is told to write is what they
+    get; other names may appear, not written as calls)."""
+
+    def test_tables_list_exactly_the_stubs(self):
+        from lessons._exercises import lesson_exercises
+        for lesson in lessons():
+            folder = REPO_ROOT / lesson["folder"]
+            exercises = {e.id: e for e in lesson_exercises(folder)}
+            rows = exercise_rows((REPO_ROOT / lesson["paths"]["docs"]).read_text())
+            with self.subTest(lesson=lesson["folder"]):
+                self.assertEqual(sorted(rows), sorted(exercises), "exercise rows against the markers")
+                for exercise_id, row in rows.items():
+                    stubs = exercises[exercise_id].targets
+                    named = written_calls(row)
+                    spans = {span.strip().split("(")[0] for span in INLINE.findall(row)}
+                    accepted = {t for t in stubs} | {t.split(".")[-1] for t in stubs}
+                    missing = [t for t in stubs if t not in spans and t.split(".")[-1] not in spans]
+                    extra = sorted(named - accepted)
+                    self.assertEqual((missing, extra), ([], []),
+                                     f"`{exercise_id}`: (stubbed but not listed, listed but not stubbed)")
+
+
+class TestGraderMessagesInSuites(unittest.TestCase):
+    """A failing test tells the learner what was expected: no `assertTrue(x)` / `assertFalse(x)`
+    without a message in a lesson's tests (unittest would say only "False is not true"), and no
+    bare `assert` in the code the tests run on ranks (workers)."""
+
+    def test_no_bare_truth_assertions(self):
+        import ast
+        found = []
+        for path in sorted((REPO_ROOT / "lessons").glob("*/tests/*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                bare_call = (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                             and node.func.attr in ("assertTrue", "assertFalse") and len(node.args) < 2
+                             and not any(k.arg == "msg" for k in node.keywords))
+                if bare_call or (isinstance(node, ast.Assert) and node.msg is None):
+                    found.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}")
+        self.assertEqual(found, [], "assertions that would fail with no message")
+
+
 if __name__ == "__main__":
     unittest.main()
