@@ -171,7 +171,7 @@ def accumulation_worker(ctx: RankContext, accum: int, clip: float) -> dict:
         for param in reference.parameters():
             param -= param.grad
     start = {k: v.clone() for k, v in model.state_dict().items()}
-    ddp = capstone.data_parallel.BucketedDDP(model, bucket_cap_bytes=2048)
+    ddp = capstone.data_parallel.BucketedDDP(model, bucket_cap_mb=2048 / 2**20)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     loss = capstone.accumulation_step(ddp, model, optimizer, scheduler, mine, clip)

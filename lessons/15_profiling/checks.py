@@ -99,7 +99,8 @@ def profile_ddp_run(ctx: RankContext, path: Path, model: torch.nn.Module, cap: i
     phases annotated, `steps` profiled steps (after a warm-up) traced to `path`, lesson 02's
     timer read after each step."""
     watch = ddp_bench.Stopwatch(ctx.device)
-    ddp = data_parallel.BucketedDDP(model, cap, on_event=lambda kind, b: watch.mark(f"{kind}{b}"))
+    ddp = data_parallel.BucketedDDP(model, bucket_cap_mb=cap / 2**20,  # exact: cap / 2^20 * 2^20
+                                    on_event=lambda kind, b: watch.mark(f"{kind}{b}"))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     waits: list[float] = []
 
