@@ -99,7 +99,10 @@ def profile_ddp_run(ctx: RankContext, path: Path, model: torch.nn.Module, cap: i
     phases annotated, `steps` profiled steps (after a warm-up) traced to `path`, lesson 02's
     timer read after each step."""
     watch = ddp_bench.Stopwatch(ctx.device)
+    # The MLP's one buffer (input_scale) never changes: no broadcast before each forward
+    # (torch DDP's broadcast_buffers=False), so a step's collectives are its buckets' all-reduces.
     ddp = data_parallel.BucketedDDP(model, bucket_cap_mb=cap / 2**20,  # exact: cap / 2^20 * 2^20
+                                    broadcast_buffers=False,
                                     on_event=lambda kind, b: watch.mark(f"{kind}{b}"))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     waits: list[float] = []
