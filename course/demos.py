@@ -23,6 +23,7 @@ import contextlib
 import importlib
 import io
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -31,6 +32,11 @@ import traceback
 from pathlib import Path
 
 from course import REPO_ROOT
+
+
+class DemoTimeout(BaseException):
+    """A demo ran past its timeout (a BaseException, so that no demo's `except Exception`
+    swallows it; its launch's `finally` kills its ranks on the way out)."""
 
 
 def harness_module(lesson: dict) -> str:
@@ -83,12 +89,16 @@ class InProcessDemos:
         started = time.monotonic()
         offset = self.ranks_log.stat().st_size
         captured = io.StringIO()
-        timed_out = threading.Event()
-
         def interrupt():
-            timed_out.set()
-            _thread.interrupt_main()
+            _thread.interrupt_main(signal.SIGALRM)  # runs on_timeout in the main thread
 
+        def on_timeout(signum, frame):
+            raise DemoTimeout(f"(stopped after {timeout:g} s)")
+
+        # Not SIGINT: a process started in the background by a non-interactive shell (`cmd &`,
+        # as CI runners do) inherits SIGINT ignored, and interrupt_main(SIGINT) then does
+        # nothing. SIGALRM's handler is ours for the demo's length.
+        previous = signal.signal(signal.SIGALRM, on_timeout)
         timer = threading.Timer(timeout, interrupt)
         saved_argv, saved_cwd = sys.argv, os.getcwd()
         sys.argv = [lesson["paths"]["script"], *argv]  # argparse's prog, as the script's
@@ -101,10 +111,8 @@ class InProcessDemos:
                     code = run_body(lambda: importlib.import_module(harness_module(lesson)).main(argv))
                 except SystemExit as exc:  # argparse: one line, exit 2
                     code = exc.code if isinstance(exc.code, int) else 1
-                except KeyboardInterrupt:
-                    if not timed_out.is_set():
-                        raise  # the learner's Ctrl-C ends the whole run
-                    print(f"(stopped after {timeout:g} s)", file=sys.stderr)
+                except DemoTimeout as exc:
+                    print(exc, file=sys.stderr)
                     code = 124
                 except Exception:  # a bug in the demo's own process: its traceback, exit 1
                     traceback.print_exc()
@@ -112,6 +120,7 @@ class InProcessDemos:
                 finally:
                     timer.cancel()
         finally:
+            signal.signal(signal.SIGALRM, previous)
             sys.argv = saved_argv
             os.chdir(saved_cwd)
         with open(self.ranks_log, errors="replace") as handle:
