@@ -273,21 +273,29 @@ def planner_check(ctx, config: nd_model.GPTConfig, layout: nd.Layout, windows: l
         tracker = memory.MemoryTracker()
         tracker.mark(trainer.stage.parameters(), "parameter")
         tracker.mark(memory.optimizer_tensors(trainer.zero.optimizer), "optimizer")
-        reduce, states = trainer.zero.reduce_scatter_gradients, {}
-
-        def mark_then_reduce():  # the pipeline is done: every gradient exists
-            if not states:  # the first call; ZeRO's step() calls it again, nothing left to do
-                tracker.mark((p.grad for p in trainer.stage.parameters()), "gradient")
-                states.update(tracker.breakdown())
-            reduce()
-
-        trainer.zero.reduce_scatter_gradients = mark_then_reduce
+        states = breakdown_before_reduce(trainer, tracker)
         with tracker, file_saved_as_activation(tracker):
             trainer.train_step(windows[1])
     return {"rank": ctx.rank, "coords": trainer.coords, "activation": activation,
             "states": states["parameter"] + states["gradient"] + states["optimizer"],
             "peak": tracker.peak_bytes, "peak_breakdown": tracker.peak_breakdown(),
             "zero_world": trainer.zero.world}
+
+
+def breakdown_before_reduce(trainer: nd.NDTrainer, tracker: memory.MemoryTracker) -> dict:
+    """A dict that the trainer's next step fills with `tracker.breakdown()` at the moment the
+    pipeline is done (every gradient exists, filed as "gradient"), just before ZeRO's first
+    reduce-scatter of the step (its step() calls it again, with nothing left to do)."""
+    reduce, seen = trainer.zero.reduce_scatter_gradients, {}
+
+    def mark_then_reduce():
+        if not seen:
+            tracker.mark((p.grad for p in trainer.stage.parameters()), "gradient")
+            seen.update(tracker.breakdown())
+        reduce()
+
+    trainer.zero.reduce_scatter_gradients = mark_then_reduce
+    return seen
 
 
 def check_layouts(layouts: list[nd.Layout], config: nd_model.GPTConfig | None = None,

@@ -44,7 +44,7 @@ from torch.utils._pytree import arg_tree_leaves
 
 from . import nd, nd_model, planner
 from .planner import GB
-from .planner_checks import recompute_blocks
+from .planner_checks import breakdown_before_reduce, recompute_blocks
 
 collectives = importlib.import_module("lessons.01_collectives.main")  # ring byte counts, Traffic
 memory = importlib.import_module("lessons.07_memory.main")  # MemoryTracker
@@ -221,15 +221,7 @@ def simulate_rank(config: nd_model.GPTConfig, layout: nd.Layout, rank: int, bf16
             tracker.mark(trainer.stage.parameters(), "parameter")
             tracker.mark(memory.optimizer_tensors(trainer.zero.optimizer), "optimizer")
             states = tracker.live_bytes
-            reduce, seen = trainer.zero.reduce_scatter_gradients, {}
-
-            def mark_then_reduce():  # the pipeline is done: every gradient exists
-                if not seen:  # the first call; ZeRO's step() calls it again, nothing left to do
-                    tracker.mark((p.grad for p in trainer.stage.parameters()), "gradient")
-                    seen.update(tracker.breakdown())
-                reduce()
-
-            trainer.zero.reduce_scatter_gradients = mark_then_reduce
+            seen = breakdown_before_reduce(trainer, tracker)
             with tracker, counter, recompute_blocks(trainer.stage) if recompute else contextlib.nullcontext():
                 trainer.train_step(windows)
         return Simulated(rank, layout.coordinates(rank), tracker.peak_bytes, tracker.peak_breakdown(),
