@@ -94,6 +94,13 @@ class RankContext:
 _PHASE: dict[str, Any] = {"file": None, "text": ""}
 
 
+def _write_atomically(path: Path, data: str | bytes) -> None:
+    """Write `data` to `path` so that a reader finds the old file or the new one, never half."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_bytes(data if isinstance(data, bytes) else data.encode())
+    os.replace(tmp, path)
+
+
 def phase(text: str) -> None:
     """Say what this rank is doing now ("dispatch-combine ep=2 top_k=2"), in a worker that
     loops over configurations: if the rank fails or hangs, the launcher's error names the last
@@ -101,9 +108,7 @@ def phase(text: str) -> None:
     spawned rank; kept in memory under torchrun)."""
     _PHASE["text"] = text
     if _PHASE["file"] is not None:
-        tmp = _PHASE["file"].with_suffix(".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, _PHASE["file"])
+        _write_atomically(_PHASE["file"], text)
 
 
 def under_torchrun() -> bool:
@@ -187,13 +192,6 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.2)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    """Write `text` to `path` so that a reader finds the old file or the new one, never half."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _child_main(rank: int, spec: dict) -> None:
     """Entry point of one spawned rank (runs in the child process)."""
     run_dir = Path(spec["run_dir"])
@@ -226,10 +224,7 @@ def _child_main(rank: int, spec: dict) -> None:
         _check_plain(result)
         dist.barrier()  # nobody closes its sockets while a peer may still be receiving
         dist.destroy_process_group()
-        tmp = run_dir / f"rank{rank}.result.tmp"
-        with open(tmp, "wb") as handle:
-            pickle.dump(result, handle)
-        os.replace(tmp, run_dir / f"rank{rank}.result")
+        _write_atomically(run_dir / f"rank{rank}.result", pickle.dumps(result))
     except BaseException as exc:  # report every failure, then exit non-zero
         # The error's first line at once: naming where it was raised reads source files
         # (linecache), slow on a loaded machine, and the deadline may kill us meanwhile.

@@ -24,10 +24,11 @@ def split(chosen: list[dict], parts: int) -> list[list[dict]]:
     each to the lightest group so far)."""
     groups: list[list[dict]] = [[] for _ in range(parts)]
     load = [0] * parts
-    for lesson in sorted(chosen, key=lambda item: -len(ex.planted_bugs(REPO_ROOT / item["folder"]))):
+    counts = {lesson["id"]: len(ex.planted_bugs(REPO_ROOT / lesson["folder"])) for lesson in chosen}
+    for lesson in sorted(chosen, key=lambda item: -counts[item["id"]]):
         lightest = load.index(min(load))
         groups[lightest].append(lesson)
-        load[lightest] += len(ex.planted_bugs(REPO_ROOT / lesson["folder"]))
+        load[lightest] += counts[lesson["id"]]
     return [group for group in groups if group]
 
 
