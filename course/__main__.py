@@ -128,20 +128,26 @@ def grade_lesson(lesson: dict, workspace: Path, timeout: float,
     return report
 
 
-def grade_planted_bugs(lesson: dict | list[dict], workspace: Path, timeout: float):
+def grade_planted_bugs(lesson: dict | list[dict], workspace: Path, timeout: float,
+                       untouched: dict | None = None):
     """Plant each of the lessons' bugs in a reference `workspace` in turn and grade its own
     exercise (one process for all of them). One lesson: [{"id", "exercise", "outcome", ...}];
-    a list of lessons: {lesson id: [...]} (the workspace must hold every one's tests)."""
+    a list of lessons: {lesson id: [...]} (the workspace must hold every one's tests). Given a
+    dict `untouched`, each lesson is first graded with every exercise stubbed, as a fresh
+    workspace, in the same process: {lesson id: grade report} lands in it."""
     chosen = lesson if isinstance(lesson, list) else [lesson]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bugs.json"
         code, output, _ = _run([sys.executable, "-m", "lessons._grading",
-                                *[item["paths"]["tests"] for item in chosen],
-                                "--planted-bugs", "--json", str(out)], timeout, cwd=workspace)
+                                *[item["paths"]["tests"] for item in chosen], "--planted-bugs",
+                                *(["--untouched"] if untouched is not None else []),
+                                "--json", str(out)], timeout, cwd=workspace)
         if code != 0 or not out.exists():
             raise RuntimeError(f"planted-bug grading failed (exit {code}): {output[-1500:]}")
-        found = json.loads(out.read_text())["lessons"]
-    by_id = {item["id"]: found[item["paths"]["tests"]] for item in chosen}
+        report = json.loads(out.read_text())
+    by_id = {item["id"]: report["lessons"][item["paths"]["tests"]] for item in chosen}
+    if untouched is not None:
+        untouched.update({item["id"]: report["untouched"][item["paths"]["tests"]] for item in chosen})
     return by_id if isinstance(lesson, list) else by_id[lesson["id"]]
 
 

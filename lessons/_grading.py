@@ -288,6 +288,31 @@ def grade_planted_bugs(tests_dir: str, bugs_file: str | None = None,
     return {"bugs": results}
 
 
+def grade_untouched(tests_dir: str) -> dict:
+    """The lesson's exercises stubbed in place, as `course exercise` writes them (a reference
+    workspace: the files are restored after), each exercise graded up to its first failure:
+    grade()'s report and "seconds". What a learner's untouched workspace scores, without a
+    process of its own per lesson (the planted-bug process's torch and forkserver are warm)."""
+    from lessons._exercises import lesson_exercises, stub_source
+
+    folder = Path(tests_dir).resolve().parent
+    package = f"lessons.{folder.name}"
+    exercises = lesson_exercises(folder)
+    originals = {name: (folder / name).read_text() for name in sorted({e.file for e in exercises})}
+    started = time.monotonic()
+    try:
+        for name, text in originals.items():
+            (folder / name).write_text(stub_source(text, [e for e in exercises if e.file == name]))
+        _forget(package)
+        report = grade(tests_dir, [e.id for e in exercises], first_failure=True)
+    finally:
+        for name, text in originals.items():
+            (folder / name).write_text(text)
+        _forget(package)
+    report["seconds"] = round(time.monotonic() - started, 2)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lessons._grading")
     parser.add_argument("tests_dir", nargs="+",
@@ -304,13 +329,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bug-timeout", type=float, metavar="SECONDS",
                         help="with --planted-bugs: stop a bug's grading after this long (caught)")
     parser.add_argument("--progress", action="store_true", help="with --planted-bugs: a line per bug")
+    parser.add_argument("--untouched", action="store_true",
+                        help="with --planted-bugs: first grade each lesson with every exercise "
+                             "stubbed (as a fresh workspace), reported under 'untouched'")
     args = parser.parse_args(argv)
     if args.bugs and (not args.planted_bugs or len(args.tests_dir) != 1):
         parser.error("--bugs needs --planted-bugs and one tests folder")
+    if args.untouched and not args.planted_bugs:
+        parser.error("--untouched needs --planted-bugs")
     if args.planted_bugs:  # one process for every lesson named: torch and the forkserver start once
-        report = {"lessons": {tests_dir: grade_planted_bugs(tests_dir, args.bugs, args.bug_timeout,
-                                                            args.progress)["bugs"]
-                              for tests_dir in args.tests_dir}}
+        report: dict = {"lessons": {}, "untouched": {}}
+        for tests_dir in args.tests_dir:
+            if args.untouched:
+                report["untouched"][tests_dir] = grade_untouched(tests_dir)
+            report["lessons"][tests_dir] = grade_planted_bugs(tests_dir, args.bugs, args.bug_timeout,
+                                                              args.progress)["bugs"]
     elif len(args.tests_dir) == 1:
         report = grade(args.tests_dir[0], args.exercise, args.first_failure)
     else:

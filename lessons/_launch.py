@@ -226,6 +226,10 @@ def _child_main(rank: int, spec: dict) -> None:
         dist.destroy_process_group()
         _write_atomically(run_dir / f"rank{rank}.result", pickle.dumps(result))
     except BaseException as exc:  # report every failure, then exit non-zero
+        # The rank has its error in hand: its own deadline must not kill it mid-report (a peer
+        # timing out in a collective at the deadline was then taken for a hung rank); the
+        # parent's deadline, 5 s later, still bounds the report.
+        faulthandler.cancel_dump_traceback_later()
         # The error's first line at once: naming where it was raised reads source files
         # (linecache), slow on a loaded machine, and the deadline may kill us meanwhile.
         summary = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:500]

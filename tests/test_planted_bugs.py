@@ -1,7 +1,8 @@
-"""Every planted bug of every lesson is caught by its own exercise: only that exercise's tests
-run per bug, up to their first failure, the lessons shared by two grader processes side by
-side (torch and the forkserver start once in each), to keep CI short. Its own file, so that
-pytest-xdist (`--dist loadfile`) runs it beside the rest of tests/test_learner_mode.py."""
+"""Every planted bug of every lesson is caught by its own exercise, and a learner's untouched
+workspace scores zero without hanging: only that exercise's tests run per bug, up to their
+first failure, the lessons shared by two grader processes side by side (torch and the
+forkserver start once in each, not once per lesson), to keep CI short. (A real workspace
+written by `course exercise` and graded by `course grade`: tests/test_exercises.py.)"""
 
 from __future__ import annotations
 
@@ -33,33 +34,55 @@ def split(chosen: list[dict], parts: int) -> list[list[dict]]:
 
 
 class TestPlantedBugs(unittest.TestCase):
-    def grade_part(self, part: list[dict]) -> dict:
+    """Two grader processes grade every lesson once, in setUpClass: each lesson with every
+    exercise stubbed (what a learner's untouched workspace scores), then each planted bug."""
+
+    results: dict = {}
+    untouched: dict = {}
+
+    @classmethod
+    def grade_part(cls, part: list[dict]) -> tuple[dict, dict]:
         """One grader process for these lessons, in a reference copy of every lesson of its own
         (a bug planted in lesson 01 changes the lessons that import it: the other process
         must not see it)."""
-        workspace = Path(tempfile.mkdtemp(dir=self.tmp))
+        workspace = Path(tempfile.mkdtemp(dir=cls.tmp))
         shutil.copytree(REPO_ROOT / "lessons", workspace / "lessons",
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        return grade_planted_bugs(part, workspace, timeout=900)
+        untouched: dict = {}
+        return grade_planted_bugs(part, workspace, timeout=900, untouched=untouched), untouched
 
-    def setUp(self):
-        self.tmp = Path(tempfile.mkdtemp(prefix="dtfs-bugs-"))
-        self.addCleanup(shutil.rmtree, self.tmp, True)
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = Path(tempfile.mkdtemp(prefix="dtfs-bugs-"))
+        cls.chosen = lessons_with_exercises()
+        try:
+            with concurrent.futures.ThreadPoolExecutor(PROCESSES) as pool:
+                for found, untouched in pool.map(cls.grade_part, split(cls.chosen, PROCESSES)):
+                    cls.results.update(found)
+                    cls.untouched.update(untouched)
+        finally:
+            shutil.rmtree(cls.tmp, True)
 
     def test_planted_bugs_are_caught_by_their_exercise(self):
-        chosen = lessons_with_exercises()
-        results = {}
-        with concurrent.futures.ThreadPoolExecutor(PROCESSES) as pool:
-            for found in pool.map(self.grade_part, split(chosen, PROCESSES)):
-                results.update(found)
-        for lesson in chosen:
+        for lesson in self.chosen:
             bugs = ex.planted_bugs(REPO_ROOT / lesson["folder"])
-            self.assertEqual([r["id"] for r in results[lesson["id"]]], [bug.id for bug in bugs])
-            for result in results[lesson["id"]]:
+            self.assertEqual([r["id"] for r in self.results[lesson["id"]]], [bug.id for bug in bugs])
+            for result in self.results[lesson["id"]]:
                 with self.subTest(lesson=lesson["id"], bug=result["id"]):
                     self.assertEqual(result["outcome"], "failed",
                                      f"{result['mistake']}: not caught by {result['exercise']}")
 
+    def test_an_untouched_workspace_scores_zero_without_hanging(self):
+        """Every exercise stubbed: each fails with the stub's NotImplementedError, in minutes
+        at most (a stub never makes a rank wait out a deadline)."""
+        for lesson in self.chosen:
+            report = self.untouched[lesson["id"]]
+            with self.subTest(lesson=lesson["id"]):
+                for exercise in ex.lesson_exercises(REPO_ROOT / lesson["folder"]):
+                    entry = report["criteria"].get(exercise.id, {"outcome": "no test ran", "message": ""})
+                    self.assertEqual(entry["outcome"], "failed", f"{exercise.id}: {entry['message']}")
+                    self.assertIn("NotImplementedError", entry["message"], exercise.id)
+                self.assertLess(report["seconds"], 300, "the untouched workspace's grading took too long")
 
 
 if __name__ == "__main__":

@@ -121,37 +121,50 @@ class TestSiteInBrowser(unittest.TestCase):
         page.wait_for_selector("body[data-mermaid=done]", state="attached", timeout=60_000)
         return page, errors
 
-    def test_every_page_loads_clean_and_every_mermaid_block_is_an_svg(self):
-        for path in self.pages:
-            relative = path.relative_to(self.out).as_posix()
-            with self.subTest(page=relative):
+    def visit_every_page(self) -> dict[str, dict]:
+        """Each built page loaded once (a page's diagrams take seconds to render): its console
+        errors, mermaid blocks and their SVGs, and each figure (src, natural width, alt) after
+        it was scrolled into view and finished loading. Shared by the two tests below."""
+        cls = type(self)
+        if not hasattr(cls, "_visits"):
+            visits = {}
+            for path in self.pages:
+                relative = path.relative_to(self.out).as_posix()
                 page, errors = self.open(relative)
-                blocks = page.locator("pre.mermaid").count()
-                svgs = page.locator("pre.mermaid svg").count()
-                self.assertEqual(errors, [])
-                self.assertEqual(svgs, blocks)
-                if relative.startswith("lessons/"):
-                    self.assertGreater(blocks, 0, "a lesson page without a diagram")
+                images = page.locator("#figures img")
+                figures = []
+                for index in range(images.count()):
+                    image = images.nth(index)
+                    image.scroll_into_view_if_needed()
+                    page.wait_for_function("img => img.complete", arg=image.element_handle())
+                    figures.append((image.get_attribute("src"), image.evaluate("img => img.naturalWidth"),
+                                    image.get_attribute("alt")))
+                visits[relative] = {"errors": list(errors), "blocks": page.locator("pre.mermaid").count(),
+                                    "svgs": page.locator("pre.mermaid svg").count(), "figures": figures}
                 page.close()
+            cls._visits = visits
+        return cls._visits
+
+    def test_every_page_loads_clean_and_every_mermaid_block_is_an_svg(self):
+        for relative, visit in self.visit_every_page().items():
+            with self.subTest(page=relative):
+                self.assertEqual(visit["errors"], [])
+                self.assertEqual(visit["svgs"], visit["blocks"])
+                if relative.startswith("lessons/"):
+                    self.assertGreater(visit["blocks"], 0, "a lesson page without a diagram")
 
     def test_every_lesson_figure_loads_with_alt_text(self):
         drawing = [lesson for lesson in load_catalog()["lessons"]
                    if (site_module.REPO_ROOT / lesson["folder"] / "figures.py").exists()]
         self.assertGreater(len(drawing), 0, "no lesson draws a figure for the site")
+        visits = self.visit_every_page()
         for lesson in drawing:
             with self.subTest(lesson=lesson["id"]):
-                page, errors = self.open(f"lessons/{lesson['id']}-{lesson['slug']}.html")
-                images = page.locator("#figures img")
-                self.assertGreater(images.count(), 0)
-                for index in range(images.count()):
-                    image = images.nth(index)
-                    image.scroll_into_view_if_needed()
-                    page.wait_for_function("img => img.complete", arg=image.element_handle())
-                    self.assertGreater(image.evaluate("img => img.naturalWidth"), 0,
-                                       image.get_attribute("src"))
-                    self.assertTrue(image.get_attribute("alt"))
-                self.assertEqual(errors, [])
-                page.close()
+                figures = visits[f"lessons/{lesson['id']}-{lesson['slug']}.html"]["figures"]
+                self.assertGreater(len(figures), 0)
+                for src, width, alt in figures:
+                    self.assertGreater(width, 0, src)
+                    self.assertTrue(alt, f"{src}: no alt text")
 
     def test_index_lists_every_catalog_lesson_in_order(self):
         page, _ = self.open("index.html")

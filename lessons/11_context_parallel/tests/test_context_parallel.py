@@ -9,7 +9,6 @@ Every assertion names what was expected, what came back and the configuration.""
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 import unittest
@@ -23,6 +22,7 @@ from lessons._launch import launch
 from lessons._testing import (
     assert_argument_error,
     exercise,
+    launch_once,
     rank_configurations,
     run_under_torchrun,
 )
@@ -39,11 +39,18 @@ WORLDS = (1, 2, 3, 4)
 SEQ, HEADS, HEAD_DIM = 24, 12, 4  # 24 divisible by 2 cp and 12 by cp for cp = 1..4
 
 
-@functools.cache
+@launch_once
 def rank_results() -> dict:
     """One launch per world size (every configuration inside), shared by the classes."""
     return {world: launch(W.cp_worker, world, (SEQ, HEADS, HEAD_DIM), device="cpu", timeout_s=60)
             for world in WORLDS}
+
+
+@launch_once
+def subgroup_results(variant: str) -> dict:
+    """One launch of 4 ranks per variant: over ranks {1}, {0, 2} and {1, 2, 3}, the others idle
+    (a failing member ends the launch at once: workers.subgroup_worker)."""
+    return {4: launch(W.subgroup_worker, 4, (variant, SEQ, HEADS, HEAD_DIM), device="cpu", timeout_s=60)}
 
 
 def readme_text() -> str:
@@ -82,8 +89,14 @@ def reference_attention(q, k, v, causal: bool, scale: float | None = None, group
 class RankCase(unittest.TestCase):
     def configs(self, prefix: str):
         """(where, world, rank, key, value) for every configuration starting with prefix."""
-        for where, world, rank, key, value, _ in rank_configurations(rank_results(), prefix, "cp"):
-            yield where, world, rank, key, value
+        variant = prefix.split("/")[0]
+        if not prefix.startswith(f"{variant}/subgroup"):
+            for where, world, rank, key, value, _ in rank_configurations(rank_results(), prefix, "cp"):
+                yield where, world, rank, key, value
+        if variant in C.VARIANTS and prefix in (f"{variant}/", f"{variant}/subgroup"):
+            for where, world, rank, key, value, _ in rank_configurations(subgroup_results(variant),
+                                                                         prefix, "world"):
+                yield where, world, rank, key, value
 
     def assert_ran(self, where: str, value: dict) -> None:
         self.assertNotIn("error", value, f"{where}: expected a result, got {value.get('error')}")

@@ -27,7 +27,7 @@ U = importlib.import_module("lessons.11_context_parallel.ulysses")
 C = importlib.import_module("lessons.11_context_parallel.checks")
 
 KV_HEADS = {1: 4, 2: 4, 3: 6, 4: 2}  # grouped-query K/V heads per cp (12 query heads): 2 on 4
-SUBGROUPS = {2: [1], 3: [0, 2], 4: [1, 2, 3]}  # ranks at the same world size; cp = 4: replicated
+SUBGROUPS = ([1], [0, 2], [1, 2, 3])  # members of the subgroups, in one launch of 4 ranks
 
 # ============================================================================ oracles
 
@@ -130,9 +130,9 @@ def run_config(variant: str, seq: int, heads: int, head_dim: int, causal: bool, 
 
 def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
     """Every configuration on this world size: ring (online-softmax and zig-zag oracles) per mask
-    and layout, grouped-query, and over a subgroup; Ulysses (flash-attention and zig-zag oracles)
+    and layout, and grouped-query; Ulysses (flash-attention and zig-zag oracles)
     the same on both engines; the lesson unpatched: ring and Ulysses against sdpa and each other."""
-    world, rank = ctx.world_size, ctx.rank
+    world = ctx.world_size
     cache, results = {}, {}
     everyone = list(range(world))
     for causal in (False, True):
@@ -145,17 +145,6 @@ def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
     for variant in C.VARIANTS:  # grouped-query attention: fewer K/V heads (replicated for Ulysses at 4)
         results[f"{variant}/gqa"] = run_config(variant, seq, heads, head_dim, True, "zigzag", "p2p",
                                                KV_HEADS[world], None, everyone, cache)
-    if world in SUBGROUPS:
-        members = SUBGROUPS[world]
-        group = dist.new_group(members)  # every rank creates it; only members use it
-        if rank in members:
-            sub_cache: dict = {}
-            for variant in C.VARIANTS:
-                for engine in ("p2p", "torch") if variant == "ulysses" else ("p2p",):
-                    results[f"{variant}/subgroup/{engine}"] = run_config(
-                        variant, seq, heads, head_dim, True, "zigzag", engine,
-                        KV_HEADS[len(members)], group, members, sub_cache)
-        dist.barrier()
     for variant in C.VARIANTS:  # integration: nothing replaced
         results[f"whole/{variant}"] = attempt(
             lambda v=variant: C.run_variant(v, cache[(heads, True)][0], seq, True, "zigzag"))
@@ -173,6 +162,28 @@ def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
             del results[f"whole/{variant}"]
     results["whole"] = whole
     results["heads_refusal"] = attempt(lambda: {"message": str(U.check_heads(world + 1, world + 1, world))})
+    return results
+
+
+def subgroup_worker(ctx: RankContext, variant: str, seq: int, heads: int, head_dim: int) -> dict:
+    """`variant` over ranks {1}, {0, 2} and {1, 2, 3} of 4 (each engine), the other ranks idle,
+    each configuration on a group of its own made by every rank. A member whose configuration
+    fails raises at once: a mistake that ignores the group leaves peers waiting in a
+    point-to-point receive that has no timeout, and the launch then ends now instead of at its
+    deadline (the subgroup tests share this launch, the other tests do not)."""
+    results: dict = {}
+    for members in SUBGROUPS:
+        for engine in ("p2p", "torch") if variant == "ulysses" else ("p2p",):
+            group = dist.new_group(members)  # every rank creates it; only members use it
+            if ctx.rank in members:
+                key = f"{variant}/subgroup/{engine}/ranks{members}"
+                value = run_config(variant, seq, heads, head_dim, True, "zigzag", engine,
+                                   KV_HEADS[len(members)], group, members, {})
+                if "error" in value:
+                    raise RuntimeError(f"{key} (cp={len(members)}, rank {members.index(ctx.rank)} "
+                                       f"of the group): {value['error']}")
+                results[key] = value
+            dist.barrier()
     return results
 
 

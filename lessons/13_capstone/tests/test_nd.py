@@ -205,7 +205,22 @@ class TestDimensionGroups(unittest.TestCase):
                     self.assertEqual(len({c[other] for c in coords}), 1,
                                      f"{layout}, {dims!r}: group {group} varies {other}")
 
-    def test_init_device_mesh_and_the_dp_cp_group_are_the_enumerated_groups(self):
+
+@exercise("compose-step")
+class TestEveryLayoutIsOneProcess(unittest.TestCase):
+    """unittest runs these in alphabetical order: the 3-rank launch first (it catches most
+    composition mistakes in a third of the 6-rank launch's time), then the 6-rank one."""
+
+    def test_a_degree_of_3_in_each_dimension(self):
+        for name in ("dp3", "cp3", "pp3", "tp3"):  # stops at the first layout that differs
+            assert_equals_one_process(self, name)
+
+    def test_compositions_on_6_ranks(self):
+        for name in ("tp2xpp3", "dp3xcp2"):
+            assert_equals_one_process(self, name)
+
+    def test_the_init_device_mesh_groups_are_the_enumerated_groups(self):
+        """Every run's mesh groups, against dimension_groups (after the runs' own checks)."""
         for name in [*FROM_SCRATCH, "dp2xcp3-bf16"]:
             layout = CASES[name].layout
             for rank, result in enumerate(Runs.of(name)):
@@ -216,17 +231,6 @@ class TestDimensionGroups(unittest.TestCase):
                     self.assertEqual(result["groups"][key], mine,
                                      f"{layout}, rank {rank}: the {key} group is "
                                      f"{result['groups'][key]}, expected {mine}")
-
-
-@exercise("compose-step")
-class TestEveryLayoutIsOneProcess(unittest.TestCase):
-    def test_degree_3_in_each_dimension(self):
-        for name in ("dp3", "cp3", "pp3", "tp3"):  # stops at the first layout that differs
-            assert_equals_one_process(self, name)
-
-    def test_compositions_on_6_ranks(self):
-        for name in ("tp2xpp3", "dp3xcp2"):
-            assert_equals_one_process(self, name)
 
     def test_the_proofs_data_has_teeth(self):
         # clipping acts (else a bug in the clipping could not show), and the pieces of the
