@@ -426,7 +426,11 @@ def stage_layers(model: Model, strategy: Strategy) -> list[int]:
     stage's last, which hold c - k (Llama 3 405B: 126 layers, pp 16, k = 1: 7, 8 x 14, 7; the
     embedding and the loss take the place of the missing layers). ValueError when it does
     not divide, or k >= c."""
-    pp, v, k, layers = strategy.layout.pp, strategy.chunks, strategy.shift, model.layers
+    return list(_stage_layers(model.layers, strategy.layout.pp, strategy.chunks, strategy.shift))
+
+
+@functools.lru_cache(maxsize=4096)  # the search asks again for every ZeRO stage, recomputation, b
+def _stage_layers(layers: int, pp: int, v: int, k: int) -> tuple[int, ...]:
     if (layers + 2 * k) % (pp * v) or (pp == 1 and (k or v > 1)):
         return _refuse(f"{layers} layers (+ 2 x {k} shifted) do not split into pp = {pp} x {v} chunks")
     c = (layers + 2 * k) // (pp * v)
@@ -435,7 +439,7 @@ def stage_layers(model: Model, strategy: Strategy) -> list[int]:
     out = [v * c] * pp
     out[0] -= k
     out[-1] -= k
-    return out
+    return tuple(out)
 
 
 def _refuse(message: str):
@@ -724,11 +728,24 @@ class LinkTraffic:
     seconds: float
 
 
+@functools.lru_cache(maxsize=1 << 16)  # pure; the search repeats the same sizes many times
 def ring(size_bytes: float, world: int, kind: str) -> float:
     """Bytes a ring rank sends: all_reduce 2(p-1)/p S, reduce_scatter and all_gather (p-1)/p S
     (lesson 01's `ring_all_reduce_bytes_formula` and its halves)."""
     half = collectives.ring_all_reduce_bytes_formula(size_bytes, world) / 2
     return 2 * half if kind == "all_reduce" else half
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _tp_bytes_per_block(s: int, b: int, h: int, t: int, element_bytes: float) -> float:
+    """lesson 04's tp_bytes_per_block (plain sequence parallelism), remembered for the search."""
+    return tensor_parallel.tp_bytes_per_block(s, b, h, t, element_bytes, False)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _ring_attention_bytes(seq: int, kv_heads: int, head_dim: int, cp: int, element_bytes: float):
+    """lesson 11's ring_bytes_per_rank, remembered for the search."""
+    return context_parallel.ring_bytes_per_rank(seq, kv_heads, head_dim, cp, element_bytes)
 
 
 def communication(model: Model, cluster: Cluster, run: Run, strategy: Strategy,
@@ -765,8 +782,7 @@ def communication(model: Model, cluster: Cluster, run: Run, strategy: Strategy,
     m, blocks = microbatches(run, strategy), stage_layers(model, strategy)[stage]
     psi, _ = stage_parameters(model, run, strategy, stage)
     full = strategy.recompute == "full"
-    per_block = (tensor_parallel.tp_bytes_per_block(s, b, h, t, r.residual, False) +
-                 tensor_parallel.tp_bytes_per_block(s, b, h, t, r.compute, False)) / 2
+    per_block = (_tp_bytes_per_block(s, b, h, t, r.residual) + _tp_bytes_per_block(s, b, h, t, r.compute)) / 2
     if run.engine == "megatron":  # the QKV and MLP inputs gathered again in backward
         per_block += 2 * ring(s * b * h * r.compute, t, "all_gather")
     tp_bytes = m * blocks * per_block * (1.5 if full else 1)  # full: the forward's half again
@@ -783,10 +799,9 @@ def communication(model: Model, cluster: Cluster, run: Run, strategy: Strategy,
         tp_bytes += m * (stage == layout.pp - 1) * ring(s * b * h * r.compute, t, "all_gather")
         tp_bytes += m * (stage == layout.pp - 1) * 3 * ring(s * b * 4, t, "all_reduce")
     tp_bytes += ring(replicated * r.grads, t, "all_reduce")
-    attention = sum(context_parallel.ring_bytes_per_rank(model.seq, model.kv_heads // t, h // model.heads,
-                                                         layout.cp, r.attention))
-    forward = context_parallel.ring_bytes_per_rank(model.seq, model.kv_heads // t, h // model.heads,
-                                                   layout.cp, r.attention).forward
+    ring_attention = _ring_attention_bytes(model.seq, model.kv_heads // t, h // model.heads, layout.cp,
+                                           r.attention)
+    attention, forward = sum(ring_attention), ring_attention.forward
     cp_bytes = m * blocks * b * (attention + (forward if full else 0))
     if not run.fold_cp:
         cp_bytes += ring(psi * r.grads, layout.cp, "all_reduce")
@@ -888,12 +903,14 @@ class Candidate:
         return self.compute_s + self.traffic["tp"].seconds + max(0.0, hidden - self.compute_s)
 
 
-def candidate(model: Model, cluster: Cluster, run: Run, strategy: Strategy) -> Candidate:
-    """`strategy` predicted: memory per stage (the worst kept), traffic per stage (the
-    slowest kept), compute."""
+def candidate(model: Model, cluster: Cluster, run: Run, strategy: Strategy,
+              memories: list[Memory] | None = None) -> Candidate:
+    """`strategy` predicted: memory per stage (the worst kept; `memories`: memory_per_stage's
+    at `positions`, if at hand), traffic per stage (the slowest kept), compute."""
     usable = cluster.memory_bytes * (1 - run.headroom)
     stages = positions(strategy.layout.pp)
-    memories = memory_per_stage(model, run, strategy, cluster, stages)
+    if memories is None:
+        memories = memory_per_stage(model, run, strategy, cluster, stages)
     worst = max(memories, key=lambda mem: mem.peak)
     traffic = max((communication(model, cluster, run, strategy, d) for d in stages),
                   key=lambda t: sum(x.seconds for x in t.values()))
@@ -911,12 +928,46 @@ def evaluate(model: Model, cluster: Cluster, run: Run) -> list[Candidate]:
 
 def plan(model: Model, cluster: Cluster, run: Run,
          candidates: list[Candidate] | None = None) -> list[Candidate]:
-    """Each layout's fastest fitting strategy, best (lowest estimated step time) first."""
+    """Each layout's fastest fitting strategy, best (lowest estimated step time) first.
+    Without `candidates`, each layout's strategies are searched cheapest-compute first and
+    the search stops where even compute alone is slower than the best found (a step is never
+    faster than its compute), so clusters of thousands of GPUs plan in seconds to a minute;
+    the result is the same as from `evaluate`'s full list (a test holds them equal)."""
+    if candidates is None:
+        return _plan_by_bound(model, cluster, run)
     best: dict[nd.Layout, Candidate] = {}
-    for c in candidates if candidates is not None else evaluate(model, cluster, run):
+    for c in candidates:
         if c.fits and c.layout not in best:
             best[c.layout] = c
     return sorted(best.values(), key=lambda c: (c.step_s, c.memory.peak))
+
+
+def _plan_by_bound(model: Model, cluster: Cluster, run: Run) -> list[Candidate]:
+    """plan() without the full list: branch and bound on compute_seconds, a lower bound of
+    step_s (communication adds time; overlapped, it never takes compute's away). Ties are
+    broken as evaluate's stable sort breaks them: by enumeration order."""
+    usable = cluster.memory_bytes * (1 - run.headroom)
+    best: list[tuple] = []  # (step_s, peak, enumeration index, Candidate), one per layout
+    index = 0
+    for layout in all_layouts(cluster.gpus):
+        found = None
+        numbered = []
+        for strategy in strategies(model, cluster, run, layout):
+            numbered.append((compute_seconds(model, cluster, run, strategy)[0], index, strategy))
+            index += 1
+        for bound, number, strategy in sorted(numbered, key=lambda item: item[:2]):
+            if found is not None and bound > found[0]:
+                break
+            memories = memory_per_stage(model, run, strategy, cluster, positions(layout.pp))
+            if max(mem.peak for mem in memories) > usable:
+                continue
+            c = candidate(model, cluster, run, strategy, memories)
+            key = (c.step_s, c.memory.peak, number)
+            if found is None or key < found[:3]:
+                found = (*key, c)
+        if found is not None:
+            best.append(found)
+    return [item[3] for item in sorted(best, key=lambda item: item[:3])]
 
 
 def why_empty(model: Model, cluster: Cluster, run: Run,
@@ -970,10 +1021,11 @@ def format_plan(model: Model, cluster: Cluster, run: Run, top: int = 10,
         "step = slowest stage's compute / (1 - bubble) + communication" +
         (" (dp, pp, cp overlapped with compute)" if run.overlap else " (simplified: nothing overlapped)"),
     ]
-    candidates = evaluate(model, cluster, run) if candidates is None else candidates
     fitting = plan(model, cluster, run, candidates)
     if not fitting:
         return "\n".join(lines + ["", why_empty(model, cluster, run, candidates)])
+    buildable = len({c.layout for c in candidates}) if candidates is not None else \
+        len(enumerate_layouts(model, cluster, run))
     lines += ["", f"{'#':>3}  {'strategy':<34}{'m':>5}  {'GB/GPU':>7} {'states':>7} {'act':>6}  "
               f"{'tp GB':>8} {'cp GB':>8} {'pp GB':>7} {'dp GB':>7}  {'bubble':>6}  "
               f"{'comm s':>7} {'step s':>7}"]
@@ -986,7 +1038,7 @@ def format_plan(model: Model, cluster: Cluster, run: Run, top: int = 10,
             + " ".join(f"{t[dim].bytes / GB:>{w}.2f}{link[dim]}" for dim, w in
                        (("tp", 7), ("cp", 7), ("pp", 6), ("dp", 6)))
             + f"  {c.bubble:>6.1%}  {c.communication_s:>7.2f} {c.step_s:>7.2f}")
-    lines.append(f"({len(fitting)} of {len({c.layout for c in candidates})} buildable layouts fit; "
+    lines.append(f"({len(fitting)} of {buildable} buildable layouts fit; "
                  "* = over the network, else NVLink; act = activations + backward's working set)")
     return "\n".join(lines)
 
@@ -1056,6 +1108,32 @@ def published_check(run: Published) -> tuple[Candidate, int, int]:
     fitting = sorted((c for c in searched if c.fits), key=lambda c: (c.step_s, c.memory.peak))
     best = fitting[0] if fitting else min(searched, key=lambda c: c.memory.peak)
     return best, len(fitting), len(searched)
+
+
+def plan_published(run: Published) -> tuple[list[Candidate], int | None]:
+    """The planner's own ranking at a published run's scale (its model, sequence, cluster
+    and global batch; the defaults otherwise): (the ranked layouts, the 1-based rank of the
+    layout the run used, None when it does not fit)."""
+    model = dataclasses.replace(MODELS[run.model], seq=run.seq)
+    ranked = plan(model, Cluster.of(run.gpu, run.gpus), Run(run.global_batch))
+    rank = next((i for i, c in enumerate(ranked, 1) if c.layout == run.used), None)
+    return ranked, rank
+
+
+def format_published_plans() -> str:
+    """PUBLISHED as a markdown table of what the planner itself picks at each run's scale,
+    beside the layout the run used: its rank and predicted step time against the pick's
+    (minutes on a CPU: `python -m lessons.13_capstone.planner_checks --published`)."""
+    lines = ["| run | planner's pick | step s | GB/GPU | layout used: rank, its best strategy | step s |",
+             "|---|---|---|---|---|---|"]
+    for run in PUBLISHED:
+        ranked, rank = plan_published(run)
+        top, used = ranked[0], ranked[rank - 1] if rank else None
+        lines.append(f"| {run.name} | {strategy_name(top.strategy)} | {top.step_s:.2f} | "
+                     f"{top.memory.peak / GB:.1f} | "
+                     + (f"{rank} of {len(ranked)}, {strategy_name(used.strategy)} | {used.step_s:.2f} |"
+                        if used else f"does not fit (of {len(ranked)}) | - |"))
+    return "\n".join(lines)
 
 
 def format_published() -> str:

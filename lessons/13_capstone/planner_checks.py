@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import importlib
 import json
+import sys
 
 import torch
 import torch.nn as nn
@@ -42,6 +43,7 @@ from .planner import (
     Run,
     Strategy,
     format_plan,
+    format_published_plans,
     memory_per_stage,
     stage_activation_bytes,
     stage_parameters,
@@ -429,6 +431,9 @@ def reference_block_bytes(model: Model, batch: int, dtype: torch.dtype = torch.f
 
 
 if __name__ == "__main__":  # python -m lessons.13_capstone.planner_checks: the measured check's table
+    if sys.argv[1:] == ["--published"]:  # the planner's own picks at published runs' scale (minutes)
+        print(format_published_plans())
+        sys.exit(0)
     this = importlib.import_module("lessons.13_capstone.planner_checks")  # workers pickle by module name
     layouts = [nd.Layout(dp=2), nd.Layout(tp=2), nd.Layout(pp=2), nd.Layout(cp=2), nd.Layout(dp=2, tp=2),
                nd.Layout(tp=2, pp=2), nd.Layout(dp=2, pp=2, cp=2)]

@@ -501,6 +501,24 @@ class TestRanking(unittest.TestCase):
                          list(dict.fromkeys(c.layout for c in self.candidates if c.fits)))
         self.assertTrue(all(c.memory.peak <= 0.9 * 80e9 for c in planned), "a plan row that does not fit")
 
+    def test_the_bounded_search_plans_what_the_full_list_plans(self):
+        """plan() without candidates stops a layout's search where compute alone is slower
+        than its best so far: the same rows (strategy, step time, peak, order) as from
+        evaluate's every candidate, on the worked example and on a small model whose every
+        choice (interleaving, shifts, micro-batches, overlap, a slow network) is searched."""
+        def rows(planned):
+            return [(c.strategy, c.step_s, c.memory.peak) for c in planned]
+
+        self.assertEqual(rows(P.plan(self.model, H100, self.plan_run)),
+                         rows(P.plan(self.model, H100, self.plan_run, self.candidates)))
+        small = P.Model(8, 32, 4, 32, 16)
+        for gpus, overlap, network in ((8, False, 50e9), (16, True, 50e9), (16, False, 1e8)):
+            cluster = dataclasses.replace(H100, gpus=gpus, inter_bandwidth=network)
+            run = dataclasses.replace(P.Run(64), overlap=overlap)
+            full = P.plan(small, cluster, run, P.evaluate(small, cluster, run))
+            self.assertGreater(len(full), 3, (gpus, overlap, network))
+            self.assertEqual(rows(P.plan(small, cluster, run)), rows(full), (gpus, overlap, network))
+
     def test_overlap_hides_dp_pp_cp_not_tp(self):
         run = dataclasses.replace(self.plan_run, overlap=True)
         for c in P.evaluate(self.model, H100, run)[:50]:
