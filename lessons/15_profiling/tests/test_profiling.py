@@ -554,21 +554,22 @@ def reference_mamf(shapes, iters=5, warmup=2) -> float:
 
 @exercise("utilisation")
 class TestMatmulTiming(unittest.TestCase):
-    def test_a_the_fastest_timed_call_after_the_warmup(self):
-        # a fake clock: each timed call takes the next duration; the 2 warm-up calls are the
-        # fastest (so counting them is caught), the timed ones 5, 3, 4, 6, 9 ms
-        durations = [0.001, 0.001, 0.005, 0.003, 0.004, 0.006, 0.009]
+    @staticmethod
+    def on_a_fake_clock(durations: list[float], m: int, n: int, k: int, iters: int) -> float:
+        """matmul_flops_per_s(m, n, k, iters=iters, warmup=2), each call timed as the next duration."""
         clock = iter(t for d in durations for t in (0.0, d))
         with mock.patch.object(U.time, "perf_counter", lambda: next(clock)):
-            got = U.matmul_flops_per_s(8, 6, 5, iters=5, warmup=2)
+            return U.matmul_flops_per_s(m, n, k, iters=iters, warmup=2)
+
+    def test_a_the_fastest_timed_call_after_the_warmup(self):
+        # the 2 warm-up calls are the fastest (so counting them is caught), the timed ones 5, 3,
+        # 4, 6, 9 ms
+        got = self.on_a_fake_clock([0.001, 0.001, 0.005, 0.003, 0.004, 0.006, 0.009], 8, 6, 5, iters=5)
         self.assertAlmostEqual(got, 2 * 8 * 6 * 5 / 0.003, delta=1e-6,
                                msg="2 m n k FLOPs over the fastest timed call (3 ms)")
 
     def test_a_the_first_timed_call_can_be_the_fastest(self):
-        durations = [0.001, 0.001, 0.002, 0.003, 0.004]  # warm-up 1 ms each, then 2, 3, 4 ms
-        clock = iter(t for d in durations for t in (0.0, d))
-        with mock.patch.object(U.time, "perf_counter", lambda: next(clock)):
-            got = U.matmul_flops_per_s(7, 3, 4, iters=3, warmup=2)
+        got = self.on_a_fake_clock([0.001, 0.001, 0.002, 0.003, 0.004], 7, 3, 4, iters=3)  # 2 ms first
         self.assertAlmostEqual(got, 2 * 7 * 3 * 4 / 0.002, delta=1e-6,
                                msg="the first call after the warm-up (2 ms) is timed too")
 
