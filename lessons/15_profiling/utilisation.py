@@ -124,9 +124,10 @@ def matmul_flops_per_s(m: int, n: int, k: int, dtype: torch.dtype = torch.float3
                        device: torch.device | str = "cpu", iters: int = 5, warmup: int = 2) -> float:
     """FLOP/s of one (m, k) @ (k, n) matmul shape: 2 m n k FLOPs over the FASTEST of `iters`
     timed calls of torch.mm(A, B, out=C), after `warmup` untimed ones, the operands made once,
-    outside the timing. Before every call, as mamf-finder.py does, a cache-sized buffer is
-    zeroed (a cold cache, as in a real step) and C is rewritten; only the matmul is timed, by
-    `time_call` (CUDA events on a GPU, time.perf_counter on a CPU).
+    outside the timing. Before every call, as mamf-finder.py does, a buffer larger than the
+    last-level cache (at least 32 MiB on a CPU, 256 MiB on a GPU) is zeroed (a cold cache, as
+    in a real step) and C is rewritten; only the matmul is timed, by `time_call` (CUDA events
+    on a GPU, time.perf_counter on a CPU), given this device.
     The fastest call is the achievable rate; a shared machine only ever slows a call down."""
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(0)

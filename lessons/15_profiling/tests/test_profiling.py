@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import io
 import json
 import shutil
@@ -213,6 +214,7 @@ class TestMergeIntervals(unittest.TestCase):
                  ([(1, 3), (3, 4)], [(1, 4)]),  # touching
                  ([(0, 10), (2, 3), (4, 5)], [(0, 10)]),  # nested
                  ([(2, 2), (1, 1.5)], [(1, 1.5)]),  # an empty one vanishes
+                 ([(0, 0), (1, 2), (3, 5)], [(1, 2), (3, 5)]),  # ... also first: the rest is read
                  ([], []),
                  ([(3, 4), (0, 1), (0.5, 2)], [(0, 2), (3, 4)])]
         for given, expected in cases:
@@ -251,6 +253,29 @@ class TestRankTimeline(unittest.TestCase):
         assert_intervals_equal(self, t["compute"], [(0.0, 1e-5), (2e-5, 3e-5)], "compute of tid 5")
         self.assertEqual([c[0] for c in t["collectives"]], ["c10d::broadcast_"])
         self.assertEqual((t["steps"], t["comm"]), ([], []), "no steps, no gloo events")
+
+    def test_b_the_busiest_thread_even_when_another_comes_first(self):
+        events = [event("aten::mm", 0, 100, tid=6), event("aten::mm", 5, 10, tid=5),
+                  event("aten::add", 20, 10, tid=5), event("aten::relu", 40, 10, tid=5)]
+        t = M.rank_timeline(events)
+        assert_intervals_equal(self, t["compute"], [(5e-6, 1.5e-5), (2e-5, 3e-5), (4e-5, 5e-5)],
+                               "compute of tid 5 (3 cpu_op events), not of tid 6 (1, seen first)")
+
+    def test_b_the_profiler_step_thread_even_when_another_is_busier(self):
+        events = [event("ProfilerStep#0", 0, 100, cat="user_annotation", tid=1),
+                  event("aten::mm", 10, 20, tid=1),
+                  *[event("aten::add", 5 + 20 * i, 10, tid=2) for i in range(3)]]  # a busier helper
+        t = M.rank_timeline(events)
+        assert_intervals_equal(self, t["compute"], [(1e-5, 3e-5)],
+                               "compute of the ProfilerStep's thread (tid 1), not of tid 2 (3 cpu_op events)")
+
+    def test_b_a_trace_of_kernels_alone(self):
+        events = [event("sm90_gemm", 0, 10, cat="kernel", pid=0, tid=7),
+                  event("ncclDevKernel_AllGather_RING_LL", 5, 20, cat="kernel", pid=0, tid=20)]
+        t = M.rank_timeline(events)  # no ProfilerStep, no cpu_op: no main thread, no collectives
+        assert_intervals_equal(self, t["compute"], [(0.0, 1e-5)], "compute = the gemm kernel")
+        assert_intervals_equal(self, t["comm"], [(5e-6, 2.5e-5)], "comm = the nccl kernel")
+        self.assertEqual((t["steps"], t["collectives"]), ([], []), "no steps, no c10d:: calls")
 
     def test_a_gpu_trace_reads_kernels(self):
         events = [event("ProfilerStep#3", 0, 1000, cat="user_annotation"),
@@ -402,6 +427,12 @@ class TestRankGapsByHand(unittest.TestCase):
         self.assertEqual((got["waited_for"], sorted(got["wait_s"])), ([2], [0, 2]),
                          "members {0, 2}: named by their global ranks")
 
+    def test_a_group_of_one_rank_waits_for_nobody(self):
+        got = M.rank_gaps({1: [("c10d::allreduce_", 1.0, 2.0), ("c10d::barrier", 3.0, 3.5)]})
+        self.assertEqual(got["waited_for"], [1, 1], "the only member is the last to arrive")
+        self.assertEqual((got["gap_s"], got["wait_s"]), ([0.0, 0.0], {1: 0.0}),
+                         "one rank: no gap, no wait")
+
     def test_different_collectives_are_refused(self):
         with self.assertRaisesRegex(ValueError, "numbers"):
             M.rank_gaps({0: [("a", 1.0, 2.0)], 1: []})
@@ -523,20 +554,71 @@ def reference_mamf(shapes, iters=5, warmup=2) -> float:
 
 @exercise("utilisation")
 class TestMatmulTiming(unittest.TestCase):
-    def test_a_the_fastest_timed_call_after_the_warmup(self):
-        # a fake clock: each timed call takes the next duration; the 2 warm-up calls are the
-        # fastest (so counting them is caught), the timed ones 5, 3, 4, 6, 9 ms
-        durations = [0.001, 0.001, 0.005, 0.003, 0.004, 0.006, 0.009]
+    @staticmethod
+    def on_a_fake_clock(durations: list[float], m: int, n: int, k: int, iters: int) -> float:
+        """matmul_flops_per_s(m, n, k, iters=iters, warmup=2), each call timed as the next duration."""
         clock = iter(t for d in durations for t in (0.0, d))
         with mock.patch.object(U.time, "perf_counter", lambda: next(clock)):
-            got = U.matmul_flops_per_s(8, 6, 5, iters=5, warmup=2)
+            return U.matmul_flops_per_s(m, n, k, iters=iters, warmup=2)
+
+    def test_a_the_fastest_timed_call_after_the_warmup(self):
+        # the 2 warm-up calls are the fastest (so counting them is caught), the timed ones 5, 3,
+        # 4, 6, 9 ms
+        got = self.on_a_fake_clock([0.001, 0.001, 0.005, 0.003, 0.004, 0.006, 0.009], 8, 6, 5, iters=5)
         self.assertAlmostEqual(got, 2 * 8 * 6 * 5 / 0.003, delta=1e-6,
                                msg="2 m n k FLOPs over the fastest timed call (3 ms)")
 
+    def test_a_the_first_timed_call_can_be_the_fastest(self):
+        got = self.on_a_fake_clock([0.001, 0.001, 0.002, 0.003, 0.004], 7, 3, 4, iters=3)  # 2 ms first
+        self.assertAlmostEqual(got, 2 * 7 * 3 * 4 / 0.002, delta=1e-6,
+                               msg="the first call after the warm-up (2 ms) is timed too")
+
+    def test_a_each_timed_call_is_one_cold_matmul_into_c(self):
+        """float64, 5 x 3 times 3 x 4: every one of the 2 + 3 calls is torch.mm(A, B, out=C) of
+        the right shapes and dtype, timed by time_call on this device, after a buffer of at
+        least 32 MiB was zeroed."""
+        log, mm, zero = [], torch.mm, torch.Tensor.zero_
+
+        def timed(fn, device):
+            log.append(("timed", device))
+            fn()
+            return 0.5
+
+        def recording_mm(a, b, *args, **kwargs):
+            out = kwargs.get("out")
+            log.append(("mm", tuple(a.shape), tuple(b.shape), a.dtype, b.dtype,
+                        None if out is None else (tuple(out.shape), out.dtype)))
+            return mm(a, b, *args, **kwargs)
+
+        def recording_zero(tensor):
+            log.append(("zero", tensor.numel() * tensor.element_size() >= 32 << 20))
+            return zero(tensor)
+
+        with mock.patch.object(U, "time_call", timed), mock.patch.object(U.torch, "mm", recording_mm), \
+                mock.patch.object(torch.Tensor, "zero_", recording_zero):
+            got = U.matmul_flops_per_s(5, 4, 3, torch.float64, "cpu", iters=3, warmup=2)
+        call = [("zero", True), ("timed", torch.device("cpu")),
+                ("mm", (5, 3), (3, 4), torch.float64, torch.float64, ((5, 4), torch.float64))]
+        self.assertEqual([entry for entry in log if entry[0] != "zero" or entry[1]], call * 5,
+                         "per call: a >= 32 MiB buffer zeroed, then time_call(fn, cpu) running "
+                         "torch.mm(A (m, k), B (k, n), out=C (m, n)) in the dtype asked for")
+        self.assertAlmostEqual(got, 2 * 5 * 4 * 3 / 0.5, delta=1e-9, msg="2 m n k / the fastest call")
+
     def test_b_the_best_shape_wins(self):
         rates = {(1, 1, 1): 5.0, (2, 2, 2): 9.0, (3, 3, 3): 7.0}
-        with mock.patch.object(U, "matmul_flops_per_s", lambda m, n, k, *args, **kw: rates[(m, n, k)]):
-            self.assertEqual(U.achievable_peak(list(rates)), (9.0, (2, 2, 2)))
+        calls, signature = [], inspect.signature(U.matmul_flops_per_s)
+
+        def fake(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            calls.append(dict(bound.arguments))
+            return rates[(bound.arguments["m"], bound.arguments["n"], bound.arguments["k"])]
+
+        with mock.patch.object(U, "matmul_flops_per_s", fake):
+            self.assertEqual(U.achievable_peak(list(rates), torch.float64, "meta", 3, 1), (9.0, (2, 2, 2)))
+        self.assertEqual(calls, [{"m": s[0], "n": s[1], "k": s[2], "dtype": torch.float64, "device": "meta",
+                                  "iters": 3, "warmup": 1} for s in rates],
+                         "each shape once, in order, with the dtype, device, iters and warmup given")
         with self.assertRaises(ValueError):
             U.achievable_peak([])
 
