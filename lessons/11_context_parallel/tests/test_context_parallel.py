@@ -508,6 +508,26 @@ class TestRingAttention(RankCase):
     def test_grouped_query_attention(self):
         self.assert_exact("ring/gqa")
 
+    def test_bf16_accumulates_in_fp32(self):
+        """bf16 q, k, v against float64 attention on the same rounded inputs, in units of bf16's
+        eps x max |reference|. The output is one fp32 (wide) result rounded once to bf16: at most
+        eps / 2 from rounding plus the fp32 sums' error (about (d + tiles) 2^-24 relative, under
+        0.01 eps): 0.51 eps; measured <= 0.38. dQ also reads delta from the rounded output
+        (checks.py's 1 eps); measured <= 0.56. A running out or lse kept in bf16 rounds at every
+        merge (measured up to 1.0 and 4 eps). dK, dV travel in bf16 by design: not bounded here.
+        Run over the subgroups' launch (cp = 1, 2, 3), where a failing member ends it at once."""
+        count = 0
+        for where, _, _, _, value, _ in rank_configurations(subgroup_results("ring"), "bf16/ring", "world"):
+            count += 1
+            with self.subTest(where=where):
+                self.assert_ran(where, value)
+                self.assertEqual(value["dtype"], "bfloat16", f"{where}: out dtype expected the inputs' "
+                                                             f"bfloat16, got {value['dtype']}")
+                for name, found, bound in zip(("out", "dQ"), value["errors"], (0.51, 1.0)):
+                    self.assertLessEqual(found, bound, f"{where}: {name} error expected <= {bound:g} eps x "
+                                                       f"max |ref|, got {found:.3f}")
+        self.assertGreater(count, 0, "no bf16 ring configuration ran")
+
     def test_exchange_steps(self):
         for where, _, _, _, value in self.configs("ring/"):
             with self.subTest(where=where):

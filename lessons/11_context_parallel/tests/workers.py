@@ -128,6 +128,20 @@ def run_config(variant: str, seq: int, heads: int, head_dim: int, causal: bool, 
                                          ref, config))
 
 
+def run_bf16_ring(seq: int, heads: int, head_dim: int, causal: bool, group) -> dict:
+    """The ring (online-softmax and zig-zag oracles) on bf16 inputs against float64 attention on
+    the same rounded inputs: the output's dtype and max |error| / (eps max |reference|) for
+    out, dQ, dK, dV (eps: bf16's)."""
+    inputs = tuple(t.to(torch.bfloat16) for t in C.full_inputs(7 + heads, seq, heads, head_dim, "cpu"))
+    ref_out, ref_grads = C.reference(*(t.double() for t in inputs), causal)
+    eps = torch.finfo(torch.bfloat16).eps
+    with oracles("online-softmax", "zigzag"):
+        run = C.run_variant("ring", inputs, seq, causal, "zigzag", group=group)
+    return {"causal": causal, "dtype": str(run["out"].dtype).removeprefix("torch."),
+            "errors": [C.max_abs_diff(a.double(), b) / (eps * b.abs().max().item())
+                       for a, b in zip([run["out"], *run["grads"]], [ref_out, *ref_grads])]}
+
+
 def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
     """Every configuration on this world size: ring (online-softmax and zig-zag oracles) per mask
     and layout, and grouped-query; Ulysses (flash-attention and zig-zag oracles)
@@ -167,10 +181,11 @@ def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
 
 def subgroup_worker(ctx: RankContext, variant: str, seq: int, heads: int, head_dim: int) -> dict:
     """`variant` over ranks {1}, {0, 2} and {1, 2, 3} of 4 (each engine), the other ranks idle,
-    each configuration on a group of its own made by every rank. A member whose configuration
-    fails raises at once: a mistake that ignores the group leaves peers waiting in a
-    point-to-point receive that has no timeout, and the launch then ends now instead of at its
-    deadline (the subgroup tests share this launch, the other tests do not)."""
+    each configuration on a group of its own made by every rank; the ring also on bf16 inputs.
+    A member whose configuration fails raises at once: a mistake that ignores the group (or a
+    dtype error mid-ring) leaves peers waiting in a point-to-point receive that has no timeout,
+    and the launch then ends now instead of at its deadline (the subgroup tests share this
+    launch, the other tests do not)."""
     results: dict = {}
     for members in SUBGROUPS:
         for engine in ("p2p", "torch") if variant == "ulysses" else ("p2p",):
@@ -183,6 +198,13 @@ def subgroup_worker(ctx: RankContext, variant: str, seq: int, heads: int, head_d
                     raise RuntimeError(f"{key} (cp={len(members)}, rank {members.index(ctx.rank)} "
                                        f"of the group): {value['error']}")
                 results[key] = value
+            if variant == "ring" and ctx.rank in members:  # bf16 inputs: out and lse must run in fp32
+                for causal in (False, True):
+                    key = f"bf16/ring/ranks{members}/causal={causal}"
+                    value = attempt(lambda c=causal, g=group: run_bf16_ring(seq, heads, head_dim, c, g))
+                    if "error" in value:
+                        raise RuntimeError(f"{key} (cp={len(members)}): {value['error']}")
+                    results[key] = value
             dist.barrier()
     return results
 
