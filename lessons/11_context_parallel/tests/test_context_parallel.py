@@ -541,18 +541,22 @@ class TestRingAttention(RankCase):
         for where, _, _, _, value in self.configs("ring/"):
             with self.subTest(where=where):
                 self.assert_ran(where, value)
-                want = M.ring_bytes_per_rank(SEQ, HEADS, HEAD_DIM, value["cp"], 8,
+                want = M.ring_bytes_per_rank(value["seq"], HEADS, HEAD_DIM, value["cp"], 8,
                                              value["kv_heads"])._asdict()
                 self.assertEqual(value["bytes"], want, f"{where}: bytes sent expected {want}, got "
                                                        f"{value['bytes']}")
 
     def test_masked_tiles_are_skipped(self):
+        """Forward and backward each compute the visible tiles of two halves of the shard by two
+        halves of the held block: with one position per chunk, 1 x 1 tiles."""
         for where, _, _, _, value in self.configs("ring/"):
             with self.subTest(where=where):
                 self.assert_ran(where, value)
                 want = expected_tiles(value["cp"], value["rank_in_group"], value["layout"], value["causal"])
                 self.assertEqual(value["tiles"], want, f"{where}: tiles computed expected {want}, got "
                                                        f"{value['tiles']}")
+                got = value["backward_tiles"]
+                self.assertEqual(got, want, f"{where}: backward tiles computed expected {want}, got {got}")
 
 
 # ============================================================================ ulysses
@@ -575,7 +579,7 @@ class TestUlysses(RankCase):
             if value.get("engine") == "p2p":  # torch's all-to-all is not counted
                 with self.subTest(where=where):
                     self.assert_ran(where, value)
-                    want = U.ulysses_bytes_per_rank(SEQ, HEADS, HEAD_DIM, value["cp"], 8,
+                    want = U.ulysses_bytes_per_rank(value["seq"], HEADS, HEAD_DIM, value["cp"], 8,
                                                     value["kv_heads"])._asdict()
                     self.assertEqual(value["bytes"], want, f"{where}: bytes sent expected {want}, got "
                                                            f"{value['bytes']}")

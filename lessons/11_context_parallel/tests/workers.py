@@ -115,17 +115,24 @@ def run_config(variant: str, seq: int, heads: int, head_dim: int, causal: bool, 
                engine: str, kv_heads: int, group, members: list[int], inputs_cache: dict) -> dict:
     """One configuration with the other exercises' oracles, summarised with what it was."""
     cp = len(members)
-    config = {"variant": variant, "cp": cp, "causal": causal, "layout": layout, "engine": engine,
+    config = {"variant": variant, "cp": cp, "seq": seq, "causal": causal, "layout": layout, "engine": engine,
               "kv_heads": kv_heads, "group": members, "rank_in_group": members.index(dist.get_rank())}
-    key = (kv_heads, causal)
+    key = (seq, kv_heads, causal)
     if key not in inputs_cache:
         inputs = C.full_inputs(7 + kv_heads, seq, heads, head_dim, "cpu", kv_heads)
         inputs_cache[key] = inputs, C.reference(*inputs, causal)
     inputs, ref = inputs_cache[key]
     needed = ("online-softmax", "zigzag") if variant == "ring" else ("flash-attention", "zigzag")
-    with oracles(*needed):
-        return attempt(lambda: summarise(C.run_variant(variant, inputs, seq, causal, layout, engine, group),
-                                         ref, config))
+    backward_tiles = []
+
+    def counted_backward(*args, **kwargs):  # the ring's backward tiles, counted
+        backward_tiles.append(1)
+        return oracle_backward(*args, **kwargs)
+
+    with oracles(*needed), mock.patch.object(B, "attend_block_backward", counted_backward):
+        result = attempt(lambda: summarise(C.run_variant(variant, inputs, seq, causal, layout, engine, group),
+                                           ref, config))
+    return result if "error" in result else {**result, "backward_tiles": len(backward_tiles)}
 
 
 def run_bf16_ring(seq: int, heads: int, head_dim: int, causal: bool, group) -> dict:
@@ -144,7 +151,7 @@ def run_bf16_ring(seq: int, heads: int, head_dim: int, causal: bool, group) -> d
 
 def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
     """Every configuration on this world size: ring (online-softmax and zig-zag oracles) per mask
-    and layout, and grouped-query; Ulysses (flash-attention and zig-zag oracles)
+    and layout, grouped-query and with one position per chunk; Ulysses (flash-attention and zig-zag oracles)
     the same on both engines; the lesson unpatched: ring and Ulysses against sdpa and each other."""
     world = ctx.world_size
     cache, results = {}, {}
@@ -156,16 +163,19 @@ def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
             for engine in ("p2p", "torch"):
                 results[f"ulysses/{causal}/{layout}/{engine}"] = run_config(
                     "ulysses", seq, heads, head_dim, causal, layout, engine, heads, None, everyone, cache)
+    # one position per chunk (seq = 2 cp): each half of a shard is one position, a tile 1 x 1
+    results["ring/short-chunks"] = run_config("ring", 2 * world, heads, head_dim, True, "zigzag", "p2p",
+                                              heads, None, everyone, cache)
     for variant in C.VARIANTS:  # grouped-query attention: fewer K/V heads (replicated for Ulysses at 4)
         results[f"{variant}/gqa"] = run_config(variant, seq, heads, head_dim, True, "zigzag", "p2p",
                                                KV_HEADS[world], None, everyone, cache)
     for variant in C.VARIANTS:  # integration: nothing replaced
         results[f"whole/{variant}"] = attempt(
-            lambda v=variant: C.run_variant(v, cache[(heads, True)][0], seq, True, "zigzag"))
+            lambda v=variant: C.run_variant(v, cache[(seq, heads, True)][0], seq, True, "zigzag"))
     whole = {}
     if all("error" not in results[f"whole/{v}"] for v in C.VARIANTS):
         ring, ulysses = results["whole/ring"], results["whole/ulysses"]
-        ref = cache[(heads, True)][1]
+        ref = cache[(seq, heads, True)][1]
         whole = {"ring_vs_sdpa": summarise(ring, ref, {})["out_gap"],
                  "ulysses_vs_sdpa": summarise(ulysses, ref, {})["out_gap"],
                  "ring_vs_ulysses": max(C.max_abs_diff(a, b) for a, b in
