@@ -115,22 +115,43 @@ def run_config(variant: str, seq: int, heads: int, head_dim: int, causal: bool, 
                engine: str, kv_heads: int, group, members: list[int], inputs_cache: dict) -> dict:
     """One configuration with the other exercises' oracles, summarised with what it was."""
     cp = len(members)
-    config = {"variant": variant, "cp": cp, "causal": causal, "layout": layout, "engine": engine,
+    config = {"variant": variant, "cp": cp, "seq": seq, "causal": causal, "layout": layout, "engine": engine,
               "kv_heads": kv_heads, "group": members, "rank_in_group": members.index(dist.get_rank())}
-    key = (kv_heads, causal)
+    key = (seq, kv_heads, causal)
     if key not in inputs_cache:
         inputs = C.full_inputs(7 + kv_heads, seq, heads, head_dim, "cpu", kv_heads)
         inputs_cache[key] = inputs, C.reference(*inputs, causal)
     inputs, ref = inputs_cache[key]
     needed = ("online-softmax", "zigzag") if variant == "ring" else ("flash-attention", "zigzag")
-    with oracles(*needed):
-        return attempt(lambda: summarise(C.run_variant(variant, inputs, seq, causal, layout, engine, group),
-                                         ref, config))
+    backward_tiles = []
+
+    def counted_backward(*args, **kwargs):  # the ring's backward tiles, counted
+        backward_tiles.append(1)
+        return oracle_backward(*args, **kwargs)
+
+    with oracles(*needed), mock.patch.object(B, "attend_block_backward", counted_backward):
+        result = attempt(lambda: summarise(C.run_variant(variant, inputs, seq, causal, layout, engine, group),
+                                           ref, config))
+    return result if "error" in result else {**result, "backward_tiles": len(backward_tiles)}
+
+
+def run_bf16_ring(seq: int, heads: int, head_dim: int, causal: bool, group) -> dict:
+    """The ring (online-softmax and zig-zag oracles) on bf16 inputs against float64 attention on
+    the same rounded inputs: the output's dtype and max |error| / (eps max |reference|) for
+    out, dQ, dK, dV (eps: bf16's)."""
+    inputs = tuple(t.to(torch.bfloat16) for t in C.full_inputs(7 + heads, seq, heads, head_dim, "cpu"))
+    ref_out, ref_grads = C.reference(*(t.double() for t in inputs), causal)
+    eps = torch.finfo(torch.bfloat16).eps
+    with oracles("online-softmax", "zigzag"):
+        run = C.run_variant("ring", inputs, seq, causal, "zigzag", group=group)
+    return {"causal": causal, "dtype": str(run["out"].dtype).removeprefix("torch."),
+            "errors": [C.max_abs_diff(a.double(), b) / (eps * b.abs().max().item())
+                       for a, b in zip([run["out"], *run["grads"]], [ref_out, *ref_grads])]}
 
 
 def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
     """Every configuration on this world size: ring (online-softmax and zig-zag oracles) per mask
-    and layout, and grouped-query; Ulysses (flash-attention and zig-zag oracles)
+    and layout, grouped-query and with one position per chunk; Ulysses (flash-attention and zig-zag oracles)
     the same on both engines; the lesson unpatched: ring and Ulysses against sdpa and each other."""
     world = ctx.world_size
     cache, results = {}, {}
@@ -142,16 +163,19 @@ def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
             for engine in ("p2p", "torch"):
                 results[f"ulysses/{causal}/{layout}/{engine}"] = run_config(
                     "ulysses", seq, heads, head_dim, causal, layout, engine, heads, None, everyone, cache)
+    # one position per chunk (seq = 2 cp): each half of a shard is one position, a tile 1 x 1
+    results["ring/short-chunks"] = run_config("ring", 2 * world, heads, head_dim, True, "zigzag", "p2p",
+                                              heads, None, everyone, cache)
     for variant in C.VARIANTS:  # grouped-query attention: fewer K/V heads (replicated for Ulysses at 4)
         results[f"{variant}/gqa"] = run_config(variant, seq, heads, head_dim, True, "zigzag", "p2p",
                                                KV_HEADS[world], None, everyone, cache)
     for variant in C.VARIANTS:  # integration: nothing replaced
         results[f"whole/{variant}"] = attempt(
-            lambda v=variant: C.run_variant(v, cache[(heads, True)][0], seq, True, "zigzag"))
+            lambda v=variant: C.run_variant(v, cache[(seq, heads, True)][0], seq, True, "zigzag"))
     whole = {}
     if all("error" not in results[f"whole/{v}"] for v in C.VARIANTS):
         ring, ulysses = results["whole/ring"], results["whole/ulysses"]
-        ref = cache[(heads, True)][1]
+        ref = cache[(seq, heads, True)][1]
         whole = {"ring_vs_sdpa": summarise(ring, ref, {})["out_gap"],
                  "ulysses_vs_sdpa": summarise(ulysses, ref, {})["out_gap"],
                  "ring_vs_ulysses": max(C.max_abs_diff(a, b) for a, b in
@@ -167,10 +191,11 @@ def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
 
 def subgroup_worker(ctx: RankContext, variant: str, seq: int, heads: int, head_dim: int) -> dict:
     """`variant` over ranks {1}, {0, 2} and {1, 2, 3} of 4 (each engine), the other ranks idle,
-    each configuration on a group of its own made by every rank. A member whose configuration
-    fails raises at once: a mistake that ignores the group leaves peers waiting in a
-    point-to-point receive that has no timeout, and the launch then ends now instead of at its
-    deadline (the subgroup tests share this launch, the other tests do not)."""
+    each configuration on a group of its own made by every rank; the ring also on bf16 inputs.
+    A member whose configuration fails raises at once: a mistake that ignores the group (or a
+    dtype error mid-ring) leaves peers waiting in a point-to-point receive that has no timeout,
+    and the launch then ends now instead of at its deadline (the subgroup tests share this
+    launch, the other tests do not)."""
     results: dict = {}
     for members in SUBGROUPS:
         for engine in ("p2p", "torch") if variant == "ulysses" else ("p2p",):
@@ -183,6 +208,13 @@ def subgroup_worker(ctx: RankContext, variant: str, seq: int, heads: int, head_d
                     raise RuntimeError(f"{key} (cp={len(members)}, rank {members.index(ctx.rank)} "
                                        f"of the group): {value['error']}")
                 results[key] = value
+            if variant == "ring" and ctx.rank in members:  # bf16 inputs: out and lse must run in fp32
+                for causal in (False, True):
+                    key = f"bf16/ring/ranks{members}/causal={causal}"
+                    value = attempt(lambda c=causal, g=group: run_bf16_ring(seq, heads, head_dim, c, g))
+                    if "error" in value:
+                        raise RuntimeError(f"{key} (cp={len(members)}): {value['error']}")
+                    results[key] = value
             dist.barrier()
     return results
 
