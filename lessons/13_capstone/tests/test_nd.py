@@ -326,6 +326,25 @@ class TestPlacements(unittest.TestCase):
                                 f"{tuple(theirs.shape)}, got {tuple(mine.shape)} "
                                 f"{'with other values' if mine.shape == theirs.shape else ''}")
 
+    def test_cut_and_join_a_fused_tensor_along_dim_1(self):
+        # parts and pieces both along dim 1 (no placement of the block has that, the
+        # specification allows it): part j's columns 4j..4j+3, rank r of 2 holds 2 of each
+        full = torch.arange(5.0 * 12).view(5, 12)  # every row and column differs
+        placement = nd_placement.Placement("w", (5, 12), 1, 3)
+        pieces = []
+        for rank in range(2):
+            columns = [4 * j + 2 * rank + c for j in range(3) for c in range(2)]
+            mine = nd_placement.cut(full, placement, rank, 2)
+            pieces.append(mine)
+            self.assertTrue(torch.equal(mine, full[:, columns]),
+                            f"cut({placement}, rank {rank} of 2): expected columns {columns} "
+                            f"(piece {rank} of each of the 3 parts along dim 1), got shape "
+                            f"{tuple(mine.shape)}")
+        joined = nd_placement.join(pieces, placement)
+        self.assertTrue(torch.equal(joined, full),
+                        f"join of {placement}'s 2 pieces: expected the (5, 12) tensor back, got "
+                        f"shape {tuple(joined.shape)}")
+
     def test_join_inverts_cut(self):
         full = torch.arange(36.0 * 6).view(36, 6)  # every row and column differs
         Placement = nd_placement.Placement
