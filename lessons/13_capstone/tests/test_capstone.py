@@ -281,6 +281,20 @@ class TestAccumulationStep(unittest.TestCase):
         # clip_grad_norm_ scales by clip / (norm + 1e-6): within 1e-6 relative of clip
         self.assertAlmostEqual(float(update.norm()), 0.01, delta=1e-7)
 
+    def test_float32_on_the_cpu_is_not_autocast_to_bf16(self):
+        # bf16 autocast is for CUDA only (enabled=tokens.is_cuda); the float64 tests cannot
+        # show it, as autocast leaves float64 alone. float32: the two summation orders differ
+        # by a few float32 ulps of O(1) weights (measured 1.5e-8); bf16 matmuls (8 significant
+        # bits) move the weights by ~1e-3 (measured 7.8e-4)
+        self.model.float()
+        _, expected = self.reference_step(clip=1e9)
+        self.step(4, clip=1e9)
+        for name, value in self.model.state_dict().items():
+            difference = float((value - expected[name]).abs().max())
+            self.assertLess(difference, 1e-5,
+                            f"{name}: float32 on the CPU differs from the one-batch float32 step by "
+                            f"{difference:.3g} (expected < 1e-5): autocast only where tokens.is_cuda")
+
     def test_one_optimizer_step_one_schedule_step_then_no_gradient(self):
         start = {k: v.clone() for k, v in self.model.state_dict().items()}
         _, expected = self.reference_step(clip=1e9)

@@ -169,6 +169,62 @@ def assert_equals_one_process(test: unittest.TestCase, name: str) -> None:
 
 
 @exercise("compose-step")
+class TestClipOnShards(unittest.TestCase):
+    """clip() in this process on a stand-in trainer that holds only what clip reads, on a
+    one-rank gloo group (its all-reduce the identity): hand-worked gradients, float64. Below
+    the threshold nothing changes; above it every shard scales by clip / (norm + 1e-6); tp
+    rank 1 leaves the replicated tensors out of the norm, not out of the scaling."""
+
+    GRADS = (torch.tensor([3.0, -1.0, 2.0], dtype=torch.float64),  # a tp-split tensor's shard
+             torch.tensor([1.0, 0.5, -2.0, 4.0, 0.0], dtype=torch.float64))  # a replicated one
+
+    @classmethod
+    def setUpClass(cls):
+        cls.folder = tempfile.mkdtemp(prefix="capstone-clip-")
+        torch.distributed.init_process_group("gloo", init_method=f"file://{cls.folder}/rendezvous",
+                                             rank=0, world_size=1)
+
+    @classmethod
+    def tearDownClass(cls):
+        torch.distributed.destroy_process_group()
+        shutil.rmtree(cls.folder, ignore_errors=True)
+
+    def clip(self, tp_rank: int, threshold: float) -> tuple[float, list[torch.Tensor]]:
+        shards = []
+        for grad in self.GRADS:
+            shard = torch.zeros_like(grad)
+            shard.grad = grad.clone()
+            shards.append(shard)
+        Placement = nd_placement.Placement
+        trainer = types.SimpleNamespace(
+            device=torch.device("cpu"), coords={"dp": 0, "tp": tp_rank, "pp": 0, "cp": 0},
+            config=types.SimpleNamespace(clip=threshold), zero=types.SimpleNamespace(shards=shards),
+            placements=[Placement("w", (6,), 0), Placement("b", (5,), None)])
+        norm = nd.NDTrainer.clip(trainer)
+        return float(norm), [shard.grad for shard in shards]
+
+    def test_a_norm_below_clip_leaves_the_gradients_alone(self):
+        norm, grads = self.clip(tp_rank=0, threshold=100.0)
+        self.assertAlmostEqual(norm, 35.25 ** 0.5, delta=1e-12,
+                               msg="||g|| over both shards: sqrt(14 + 21.25)")
+        for grad, expected in zip(grads, self.GRADS):
+            self.assertTrue(torch.equal(grad, expected),
+                            f"||g|| {norm:.4f} < clip 100: expected the gradient unchanged "
+                            f"{expected.tolist()}, got {grad.tolist()} (scale = min(1, clip / norm))")
+
+    def test_a_norm_above_clip_scales_every_shard(self):
+        for tp_rank, squares in ((0, 35.25), (1, 14.0)):  # tp rank 1: the split shard only
+            norm, grads = self.clip(tp_rank=tp_rank, threshold=0.5)
+            self.assertAlmostEqual(norm, squares ** 0.5, delta=1e-12,
+                                   msg=f"tp rank {tp_rank}: ||g|| (replicated tensors on tp rank 0 only)")
+            scale = 0.5 / (squares ** 0.5 + 1e-6)
+            for grad, expected in zip(grads, self.GRADS):
+                self.assertLess(float((grad - expected * scale).abs().max()), 1e-15,
+                                f"tp rank {tp_rank}: expected every shard times clip / (||g|| + 1e-6) "
+                                f"= {scale:.6f}: {(expected * scale).tolist()}, got {grad.tolist()}")
+
+
+@exercise("compose-step")
 class TestDimensionGroups(unittest.TestCase):
     def test_small_grids_by_hand(self):
         layout = nd.Layout(dp=2, tp=2)  # ranks (dp, tp): 0 (0,0), 1 (0,1), 2 (1,0), 3 (1,1)
@@ -325,6 +381,25 @@ class TestPlacements(unittest.TestCase):
                                 f"cut({placement.name}, rank {rank} of 3): expected lesson 04's shard "
                                 f"{tuple(theirs.shape)}, got {tuple(mine.shape)} "
                                 f"{'with other values' if mine.shape == theirs.shape else ''}")
+
+    def test_cut_and_join_a_fused_tensor_along_dim_1(self):
+        # parts and pieces both along dim 1 (no placement of the block has that, the
+        # specification allows it): part j's columns 4j..4j+3, rank r of 2 holds 2 of each
+        full = torch.arange(5.0 * 12).view(5, 12)  # every row and column differs
+        placement = nd_placement.Placement("w", (5, 12), 1, 3)
+        pieces = []
+        for rank in range(2):
+            columns = [4 * j + 2 * rank + c for j in range(3) for c in range(2)]
+            mine = nd_placement.cut(full, placement, rank, 2)
+            pieces.append(mine)
+            self.assertTrue(torch.equal(mine, full[:, columns]),
+                            f"cut({placement}, rank {rank} of 2): expected columns {columns} "
+                            f"(piece {rank} of each of the 3 parts along dim 1), got shape "
+                            f"{tuple(mine.shape)}")
+        joined = nd_placement.join(pieces, placement)
+        self.assertTrue(torch.equal(joined, full),
+                        f"join of {placement}'s 2 pieces: expected the (5, 12) tensor back, got "
+                        f"shape {tuple(joined.shape)}")
 
     def test_join_inverts_cut(self):
         full = torch.arange(36.0 * 6).view(36, 6)  # every row and column differs
