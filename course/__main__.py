@@ -275,7 +275,11 @@ def gpu_suite(keys: list[str], timeout: float, notebooks: bool) -> int:
     for lesson in lessons:
         name = lesson["folder"].split("/")[-1]
         world = gpu_world_size(lesson["hardware"], gpus)
-        if world is None:
+        if not lesson["hardware"]["cuda"]:  # its demo refuses --device cuda (07, 08, 10)
+            outcomes.append("skipped")
+            table.add_row(name, "demo", "-", "[yellow]SKIPPED[/]", "-",
+                          "a CPU demo (catalog: cuda false); its GPU part is in the notebook")
+        elif world is None:
             outcomes.append("blocked")
             table.add_row(name, "demo", "-", "[yellow]BLOCKED[/]", "-",
                           f"needs {lesson['hardware']['min_ranks']} GPUs")
@@ -301,7 +305,7 @@ def gpu_suite(keys: list[str], timeout: float, notebooks: bool) -> int:
                           f"{time.monotonic() - started:.1f}", detail)
     console.print(table)
     console.print(f"{outcomes.count('passed')} passed, {outcomes.count('failed')} failed, "
-                  f"{outcomes.count('blocked')} blocked")
+                  f"{outcomes.count('blocked')} blocked, {outcomes.count('skipped')} skipped")
     if "failed" in outcomes:
         return 1
     return 2 if "blocked" in outcomes else 0

@@ -62,6 +62,15 @@ from lessons._prewarm import NO_PREWARM as _NO_PREWARM
 from lessons._prewarm import PRELOAD as _PRELOAD
 from lessons._prewarm import prewarm, start_method  # noqa: F401 (both part of the API)
 
+# torch 2.13 names the one-tensor collectives all_gather_single and reduce_scatter_single (the
+# old all_gather_into_tensor and reduce_scatter_tensor now warn); torch 2.11, the CUDA build on
+# the course's GPU box, has only the old names. Every rank imports this module, so one spelling
+# runs on both.
+if not hasattr(dist, "all_gather_single"):
+    dist.all_gather_single = dist.all_gather_into_tensor
+if not hasattr(dist, "reduce_scatter_single"):
+    dist.reduce_scatter_single = dist.reduce_scatter_tensor
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT_S = 120.0
 _POLL_S = 0.02
@@ -139,6 +148,20 @@ def choose_device(requested: str, world_size: int) -> tuple[str, str]:
     if requested == "cuda":
         raise ValueError(f"{what}, found {gpus}")
     return "cpu", "gloo"
+
+
+def device_for_extra_ranks(requested: str, world_size: int) -> str:
+    """The device of a demo's extra launch on `world_size` ranks (lesson 06's reshard target,
+    lesson 14's replicas) when the learner asked for `requested`: the same, except "cuda" with
+    fewer GPUs than ranks (one GPU, world 1 -> 2), where it runs on the CPU with gloo instead
+    of failing. What such a launch checks (a checkpoint's bytes, replicas' fingerprints) does
+    not depend on the device; the demo says where it ran."""
+    if requested != "cuda":
+        return choose_device(requested, world_size)[0]
+    try:
+        return choose_device(requested, world_size)[0]
+    except ValueError:
+        return "cpu"
 
 
 def _loopback_interface() -> str | None:

@@ -111,6 +111,19 @@ class TestLauncherFailures(unittest.TestCase):
         with mock.patch.dict(os.environ, env), mock.patch("torch.cuda.device_count", return_value=2):
             self.assertEqual(choose_device("auto", 4), ("cuda", "nccl"))
 
+    def test_an_extra_launch_without_its_gpus_runs_on_the_cpu(self):
+        from lessons._launch import device_for_extra_ranks
+        with mock.patch.dict(os.environ, {}, clear=False), \
+                mock.patch("torch.cuda.device_count", return_value=1):
+            for name in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+                os.environ.pop(name, None)
+            self.assertEqual(device_for_extra_ranks("cuda", 2), "cpu")  # 2 ranks, 1 GPU
+            self.assertEqual(device_for_extra_ranks("cuda", 1), "cuda")
+            self.assertEqual(device_for_extra_ranks("auto", 2), "cpu")
+            self.assertEqual(device_for_extra_ranks("cpu", 1), "cpu")
+            with self.assertRaises(ValueError):
+                device_for_extra_ranks("tpu", 1)  # a bad device is still refused
+
     def test_bad_arguments(self):
         with self.assertRaises(ValueError):
             launch(workers.sum_ranks, 0)

@@ -10,6 +10,7 @@ without broadcast_buffers, tied weights, and two process groups at once; and the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 import warnings
 from collections.abc import Callable
@@ -257,9 +258,13 @@ def torch_ddp_like(ctx: RankContext, model: nn.Module, broadcast_buffers: bool =
                    **kwargs) -> DistributedDataParallel:
     """torch's DDP with our constructor's meaning of broadcast_buffers: True is torch 2.13's
     forward_sync_buffers=True (the same as the deprecated broadcast_buffers=True); False is the
-    deprecated broadcast_buffers=False, which also skips the buffers at construction."""
+    deprecated broadcast_buffers=False, which also skips the buffers at construction. Before
+    torch 2.13 (2.11 on the course's GPU box) there is no forward_sync_buffers, and
+    broadcast_buffers=True, not yet deprecated, means the same."""
     if broadcast_buffers:
-        return torch_ddp(ctx, model, forward_sync_buffers=True, **kwargs)
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters:
+            return torch_ddp(ctx, model, forward_sync_buffers=True, **kwargs)
+        return torch_ddp(ctx, model, broadcast_buffers=True, **kwargs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         return torch_ddp(ctx, model, broadcast_buffers=False, **kwargs)

@@ -28,7 +28,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, choose_device, inject_fault, launch, one_thread, under_torchrun
+from lessons._launch import (
+    RankContext,
+    choose_device,
+    device_for_extra_ranks,
+    inject_fault,
+    launch,
+    one_thread,
+    under_torchrun,
+)
 from lessons._report import (
     Check,
     Report,
@@ -680,6 +688,7 @@ def demo(args, config: TrainConfig) -> Report:
     device, backend = choose_device(args.device, world)
     torchrun = under_torchrun()
     other_world = 2 if world != 2 else 3
+    reshard_device = args.device if torchrun else device_for_extra_ranks(args.device, other_world)
     with tempfile.TemporaryDirectory(prefix="lesson06-") as tmp:
         first = launch(demo_worker, world,
                        (dataclasses.asdict(config), None if torchrun else tmp, args.save_every,
@@ -689,7 +698,7 @@ def demo(args, config: TrainConfig) -> Report:
             second = [r["reshard"] for r in first]
         else:
             second = launch(reshard_worker, other_world, (dataclasses.asdict(config), tmp),
-                            device=args.device, timeout_s=args.timeout)
+                            device=reshard_device, timeout_s=args.timeout)
         r0 = first[0]
         checks = [
             Check("every rank ends with the same parameters",
@@ -716,6 +725,8 @@ def demo(args, config: TrainConfig) -> Report:
         resharded, loaded = f"{world} -> 1 process (each rank)", "into full tensors"
     else:
         resharded, loaded = f"{world} -> {other_world} ranks", f"on {other_world} ranks"
+        if reshard_device != device:
+            loaded += f" ({reshard_device}: {other_world} ranks need {other_world} GPUs)"
     checks.append(Check(f"resharded {resharded} == unsharded reference",
                         gap <= RESHARD_TOLERANCE and second[0]["resumed_from"] > 0,
                         f"resumed at step {second[0]['resumed_from']}; max |diff| {gap:.1e}"))

@@ -69,7 +69,11 @@ class MemoryTracker(TorchDispatchMode):
 
     def __init__(self, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.device = None if device is None else torch.device(device)
+        if device is not None:
+            device = torch.device(device)
+            if device.type == "cuda" and device.index is None:  # storages say cuda:N, never "cuda"
+                device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.live: dict[int, Allocation] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.phase_name = "setup"

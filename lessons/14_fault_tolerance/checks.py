@@ -34,7 +34,14 @@ from unittest import mock
 import torch
 
 from lessons._checks import max_abs_diff
-from lessons._launch import RankContext, choose_device, inject_fault, launch, under_torchrun
+from lessons._launch import (
+    RankContext,
+    choose_device,
+    device_for_extra_ranks,
+    inject_fault,
+    launch,
+    under_torchrun,
+)
 from lessons._report import (
     Check,
     Report,
@@ -136,6 +143,7 @@ def run_worker(ctx: RankContext, config: dict, out: str, how: dict, fault: dict,
     hand, or to cut a save with SIGKILL)."""
     torch.set_default_dtype(torch.float64)
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FR_BUFFER)  # read at the first collective
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", FR_BUFFER)  # NCCL's name in torch 2.11
     injected = Fault(**fault, attempt=attempt)
     data, vocab = load_corpus()
 
@@ -252,7 +260,7 @@ def compare_with_flight_recorder(diagnostics: Path) -> Check:
             if not same_collective(entry, fr):
                 mismatches.append(f"#{entry['seq']} {entry['op']} {entry['sizes']} vs "
                                   f"{fr['profiling_name']} {fr['input_sizes']}")
-    return Check("our ring buffer == PyTorch's flight recorder (gloo; same seq, op, sizes)",
+    return Check("our ring buffer == PyTorch's flight recorder (same seq, op, sizes)",
                  compared > 0 and not mismatches,
                  f"{compared} collectives compared" + (f"; {mismatches[:2]}" if mismatches else ""))
 
@@ -357,7 +365,11 @@ def demo(args, config: capstone.GPTRunConfig) -> Report:
         batch = [(str(scratch / "base"), how, {**fault, "kind": None}),  # on `replicas` ranks
                  (str(scratch / "slow"), how, {**fault, "kind": "slow"}),
                  (str(scratch / "sdc"), how, {**fault, "kind": "bitflip"})]
-        per_rank = launch(batch_worker, replicas, (conf, batch), device=args.device,
+        batch_device = args.device if replicas == world else device_for_extra_ranks(args.device, replicas)
+        if batch_device != device:
+            print(f"the replica runs: {replicas} ranks on {batch_device} ({replicas} ranks need "
+                  f"{replicas} GPUs); the killed runs on {world} rank(s) on {device}")
+        per_rank = launch(batch_worker, replicas, (conf, batch), device=batch_device,
                           timeout_s=args.timeout)
         base, slow, sdc = ([r[i] for r in per_rank] for i in range(3))
         reference = base[0]

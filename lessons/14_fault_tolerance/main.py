@@ -277,8 +277,10 @@ class Watchdog:
         with open(self.out_dir / f"rank{self.rank}.stacks", "w") as handle:
             faulthandler.dump_traceback(handle, all_threads=True)
         try:  # PyTorch's own recorder: NCCL with TORCH_NCCL_TRACE_BUFFER_SIZE, gloo with TORCH_FR_BUFFER_SIZE
+            c10d = torch._C._distributed_c10d  # NCCL's buffer has its own dump (nccl_hang.py reads one)
+            nccl = dist.is_initialized() and dist.get_backend() == "nccl"
             (self.out_dir / f"rank{self.rank}.fr.pkl").write_bytes(
-                torch._C._distributed_c10d._dump_fr_trace())
+                c10d._dump_nccl_trace() if nccl else c10d._dump_fr_trace())
         except (AttributeError, RuntimeError):
             pass
         self.store.set(f"{self.prefix}dumped/{self.rank}", "1")

@@ -261,10 +261,9 @@ def ddp_checks(per_rank: list[dict], world: int, cuda: bool = False) -> tuple[li
                             f"overlap {statistics.median(overlap['bucketed']):.0%} with buckets vs "
                             f"{statistics.median(overlap['one bucket']):.0%} in one; exposed per "
                             f"step {exposed['bucketed'] * 1e3:.1f} vs {exposed['one bucket'] * 1e3:.1f} ms"))
-    else:
-        checks.append(Check("1 rank: no communication to hide (overlap undefined)",
-                            all(r["overlap"] is None for by_pair in runs.values()
-                                for ranks in by_pair for r in ranks), "overlap_fraction -> None"))
+    # One rank: no claim about overlap. NCCL launches no kernel for a one-rank all-reduce (on
+    # one H100 the trace has none: overlap None), gloo still runs a local reduction on its own
+    # thread (an overlap, of nothing that costs a peer's time).
     waits = [(t, w) for by_pair in runs.values() for ranks in by_pair for r in ranks
              for t, w in zip(r["trace_wait"], r["timer_wait"])]
     difference = statistics.median(abs(t - w) for t, w in waits)

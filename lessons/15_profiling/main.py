@@ -188,8 +188,9 @@ def rank_timeline(events: list[dict]) -> dict:
     """One rank's trace (`load_trace`) as intervals in seconds (ts / 1e6, (ts + dur) / 1e6):
     {"compute": merged, "comm": merged, "steps": [(start, end)] of the "ProfilerStep#" ranges
     in order, "phases": {name: [(start, end)] in order} for the record_function ranges named
-    in PHASES, "collectives": [(name, start, end)] of the main thread's cpu_op events whose
-    name starts with "c10d::" (each time this rank entered a collective), in order}. Ranges
+    in PHASES, "collectives": [(name, start, end)] of the cpu_op events whose name starts with
+    "c10d::", on any thread, in order of start (each time this rank entered a collective: on a
+    GPU, DDP's hooks call theirs from autograd's device thread, not the main one)}. Ranges
     are the host's, cat "user_annotation" (on a GPU the profiler also copies each range that
     launched kernels onto the GPU's timeline, cat "gpu_user_annotation": not counted twice).
 
@@ -225,8 +226,10 @@ def rank_timeline(events: list[dict]) -> dict:
         comm = merge_intervals(span(e) for e in events if e["name"].startswith("gloo:"))
         busy = [span(e) for e in main if e not in calls] + [s for v in phases.values() for s in v]
         compute = subtract_intervals(merge_intervals(busy), merge_intervals(span(e) for e in calls))
+    entered = sorted((e for e in events if e.get("cat") == "cpu_op" and e["name"].startswith("c10d::")),
+                     key=lambda e: e["ts"])
     return {"compute": compute, "comm": comm, "steps": steps, "phases": phases,
-            "collectives": [(e["name"], *span(e)) for e in calls]}
+            "collectives": [(e["name"], *span(e)) for e in entered]}
 
 
 # ============================================================================ 3. measure

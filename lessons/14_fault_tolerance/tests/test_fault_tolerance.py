@@ -16,6 +16,7 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -45,6 +46,7 @@ FM = importlib.import_module("lessons.14_fault_tolerance.failure_model")
 I = importlib.import_module("lessons.14_fault_tolerance.integrity")  # noqa: E741
 R = importlib.import_module("lessons.14_fault_tolerance.recovery")
 C = importlib.import_module("lessons.14_fault_tolerance.checks")
+NH = importlib.import_module("lessons.14_fault_tolerance.nccl_hang")  # the one-GPU hang (notebook)
 W = importlib.import_module("lessons.14_fault_tolerance.tests.workers")
 MAIN = Path(M.__file__)
 README = MAIN.with_name("README.md").read_text()
@@ -250,6 +252,49 @@ class TestRecorder(unittest.TestCase):
                 if rank in (0, 2):
                     self.assertEqual(ops[3], ("all_reduce", 1, [0, 2], "completed"),
                                      "a subgroup counts its own collectives")
+
+
+class TestNcclHang(unittest.TestCase):
+    """nccl_hang.py's reading of a flight-recorder dump (the keys NCCL's dump had on an H100);
+    its run needs a GPU and refuses without one."""
+
+    @staticmethod
+    def entry(seq: int, state: str) -> dict:
+        return {"collective_seq_id": seq, "profiling_name": "nccl:all_reduce", "state": state,
+                "input_sizes": [[1048576]], "process_group": ("0", "default_pg")}
+
+    def test_the_first_collective_not_completed_is_named(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / f"{NH.PREFIX}0"
+            dump = {"version": "2.x", "entries": [self.entry(i, "completed") for i in (1, 2, 3, 4)]
+                    + [self.entry(5, "scheduled"), self.entry(6, "scheduled")]}
+            path.write_bytes(pickle.dumps(dump))
+            rows = NH.read_dump(path)
+        self.assertEqual([(r["seq"], r["state"]) for r in rows][3:],
+                         [(4, "completed"), (5, "scheduled"), (6, "scheduled")])
+        line = NH.diagnose_dump(rows)
+        self.assertIn("collective #5 nccl:all_reduce [[1048576]] is scheduled", line)
+        self.assertIn("4 before it completed", line)
+        started = NH.diagnose_dump([{**r, "state": "started"} if r["seq"] == 2 else r for r in rows])
+        self.assertIn("#2", started)
+        self.assertIn("started but never finished", started)
+        self.assertEqual(NH.diagnose_dump(rows[:4]), "all 4 recorded collectives completed")
+
+    def test_a_file_that_is_no_dump_is_named(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, data in (("garbage", b"not a pickle"), ("no-entries", pickle.dumps({"x": 1}))):
+                path = Path(tmp) / name
+                path.write_bytes(data)
+                with self.assertRaises(ValueError) as caught:
+                    NH.read_dump(path)
+                self.assertIn(f"{path}: not a flight-recorder dump", str(caught.exception))
+
+    def test_without_a_gpu_it_refuses_with_one_line(self):
+        no_gpu = mock.patch("torch.cuda.is_available", return_value=False)
+        with tempfile.TemporaryDirectory() as tmp, no_gpu, contextlib.redirect_stderr(io.StringIO()) as err:
+            self.assertEqual(NH.main(["--out", tmp]), 2)
+        self.assertEqual(err.getvalue().strip().splitlines(),
+                         ["nccl_hang.py needs a CUDA GPU (NCCL); none is visible here"])
 
 
 @exercise("sdc-vote")

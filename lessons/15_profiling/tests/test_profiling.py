@@ -128,7 +128,8 @@ def reference_timeline(events: list[dict]) -> dict:
     return {"compute": as_intervals(starts, ends, covered(mids, busy) & ~covered(mids, cut)),
             "comm": as_intervals(starts, ends, covered(mids, comm_raw)),
             "steps": [span(e) for e in steps], "phases": phases,
-            "collectives": [(e["name"], *span(e)) for e in on_main if e["name"].startswith("c10d::")]}
+            "collectives": [(e["name"], *span(e)) for e in sorted(events, key=lambda e: e["ts"])
+                            if e["cat"] == "cpu_op" and e["name"].startswith("c10d::")]}
 
 
 def reference_overlap(comm: list, compute: list) -> float | None:
@@ -253,6 +254,18 @@ class TestRankTimeline(unittest.TestCase):
         assert_intervals_equal(self, t["compute"], [(0.0, 1e-5), (2e-5, 3e-5)], "compute of tid 5")
         self.assertEqual([c[0] for c in t["collectives"]], ["c10d::broadcast_"])
         self.assertEqual((t["steps"], t["comm"]), ([], []), "no steps, no gloo events")
+
+    def test_b_a_collective_entered_on_another_thread_counts(self):
+        # a GPU trace: DDP's bucket hooks run on autograd's device thread (tid 2), not the main one
+        events = [event("ProfilerStep#0", 0, 100, cat="user_annotation", tid=1),
+                  event("c10d::allreduce_", 60, 5, tid=2), event("c10d::allreduce_", 30, 5, tid=2),
+                  event("c10d::broadcast_", 10, 5, tid=1),
+                  event("nccl:all_reduce", 31, 4, cat="user_annotation", tid=2),
+                  event("ncclDevKernel_AllReduce_Sum_f32", 40, 10, cat="kernel", pid=0, tid=7)]
+        t = M.rank_timeline(events)
+        self.assertEqual([(c[0], c[1]) for c in t["collectives"]],
+                         [("c10d::broadcast_", 1e-5), ("c10d::allreduce_", 3e-5), ("c10d::allreduce_", 6e-5)])
+        self.assertEqual(t["collectives"], reference_timeline(events)["collectives"])
 
     def test_b_the_busiest_thread_even_when_another_comes_first(self):
         events = [event("aten::mm", 0, 100, tid=6), event("aten::mm", 5, 10, tid=5),
