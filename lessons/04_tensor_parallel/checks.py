@@ -249,12 +249,22 @@ def heads_check(ctx: RankContext, seed: int) -> Check:
 def parse_args(argv: list[str] | None = None):
     parser = lesson_parser("Tensor and sequence parallelism from scratch, checked against the "
                            "dense block.")
-    parser.add_argument("--seq", type=int_in(1, 4096), default=8, help="sequence length (default 8)")
+    parser.add_argument("--seq", type=int_in(1, 4096), help="sequence length (default 8, or the "
+                        "next multiple of the world size: sequence parallelism splits it)")
     parser.add_argument("--batch", type=int_in(1, 1024), default=2, help="batch (default 2)")
-    parser.add_argument("--hidden", type=int_in(1, 8192), default=16, help="hidden size (default 16)")
-    parser.add_argument("--heads", type=int_in(1, 256), default=4, help="attention heads (default 4)")
+    parser.add_argument("--hidden", type=int_in(1, 8192), help="hidden size (default 16, or the "
+                        "next multiple of --heads)")
+    parser.add_argument("--heads", type=int_in(1, 256), help="attention heads (default 4, or the "
+                        "next multiple of the world size)")
     args = parser.parse_args(argv)
     world = check_args(parser, args)
+
+    def at_least(default: int, unit: int) -> int:  # the smallest multiple of unit >= default
+        return unit * -(-default // unit)
+
+    args.heads = at_least(4, world) if args.heads is None else args.heads
+    args.seq = at_least(8, world) if args.seq is None else args.seq
+    args.hidden = at_least(16, args.heads) if args.hidden is None else args.hidden
     if args.heads % world:
         parser.error(f"--heads {args.heads} is not divisible by the world size {world}")
     if args.hidden % args.heads:
