@@ -18,7 +18,8 @@ meets them:
    `stage_parameters`, `model_state_bytes` (lesson 03's ZeRO stages), `block_activation_bytes`
    (lesson 04's sequence-parallel block, lesson 11's ring attention, Korthikanti et al.'s
    recomputation), `head_activation_bytes`, `stage_activation_bytes`, `inflight` (lesson 05's
-   1F1B and interleaved schedules), `ring_tile_bytes`, `working_set_bytes`, `memory_per_stage`;
+   1F1B and interleaved schedules), `ring_tile_bytes`, `head_gradient_bytes`, `working_set_bytes`,
+   `memory_per_stage`;
 4. communication per step per GPU: `communication` (lessons 01, 03, 04, 05, 11), each
    dimension on its link (`link_of`);
 5. compute: `stage_flops` (PaLM's 6N + attention per token, per stage: the embedding on the
@@ -608,6 +609,33 @@ def ring_tile_bytes(model: Model, run: Run, strategy: Strategy) -> int:
     return 4 * model.heads // strategy.layout.tp * half * half * run.recipe.attention + 2 * half * half
 
 
+def head_gradient_bytes(model: Model, run: Run, strategy: Strategy) -> int:
+    """The head's new weight gradient beside the accumulated one, on the last stage from its
+    second micro-batch on (nd engine): torch makes it whole (V h: nd's head is not split)
+    before AccumulateGrad adds it to the .grad the earlier micro-batches left
+    (torch/csrc/autograd/functions/accumulate_grad.h: `variable_grad += new_grad`; the first
+    micro-batch's is stolen as .grad, counted in the states). Under autocast the matmul's
+    16-bit gradient, V h r_cast, and its fp32 copy for the fp32 weight, V h r_grads
+    (ToCopyBackward), are live at once, while the linear's backward has freed the 16-bit
+    weight copy (V h r_cast, `cast_bytes`), the loss's log-probabilities (n b V r_logits) and
+    the head's 16-bit input (n b h r_compute), whose gradient is now the norm output's, n b h
+    r_residual. On top of the micro-batch's activations, n = s / (cp tp):
+
+        V h r_grads - n b V r_logits + n b h (r_residual - r_compute)
+
+    (without autocast the same: no copy, no cast). It outweighs the loss's backward (2 n b V
+    r_logits) once n b < about h r_grads / (3 r_logits) = h / 3 at fp32: for 8192 positions
+    and h = 4096, at cp tp >= 6 (tp4 x cp4: n = 512, 1.84 GB against 0.53). 0 with one
+    micro-batch, and for the megatron engine: Megatron-LM adds a weight gradient into the
+    fp32 main_grad inside its GEMM (gradient_accumulation_fusion:
+    megatron/core/tensor_parallel/layers.py, wgrad_gemm_accum_fp32)."""
+    if run.engine != "nd" or microbatches(run, strategy) == 1:
+        return 0
+    n, b, r = model.seq // (strategy.layout.cp * strategy.layout.tp), strategy.micro_batch, run.recipe
+    return (model.vocab * model.hidden * r.grads - n * b * model.vocab * r.logits
+            + n * b * model.hidden * (r.residual - r.compute))
+
+
 def working_set_bytes(model: Model, run: Run, strategy: Strategy, stage: int) -> int:
     """What backward makes on top of what the forward kept, at the peak (the simulation
     measures it): the largest of
@@ -618,6 +646,8 @@ def working_set_bytes(model: Model, run: Run, strategy: Strategy, stage: int) ->
         and of the logits, 2 n b V r_logits (cross-entropy's nll and log-softmax backward);
         megatron, the 16-bit gradient of the logits shard, (s/cp) b (V/t) r_compute (the fp32
         one is computed in place of the saved softmax);
+    (b') on the last stage, from the second micro-batch on, the head's new weight gradient
+        beside the accumulated one (`head_gradient_bytes`);
     (c) on the first stage, the token table's new gradient beside the accumulated one,
         V' h r_grads, once the micro-batch's own activations are freed (less them);
     ZeRO-3 (and hsdp) adds two blocks' gathered weights and one block's gathered gradients."""
@@ -630,6 +660,7 @@ def working_set_bytes(model: Model, run: Run, strategy: Strategy, stage: int) ->
     if stage == layout.pp - 1:
         phases.append(2 * n * b * model.vocab * r.logits if run.engine == "nd" else
                       model.seq // layout.cp * b * (model.vocab // layout.tp) * r.compute)
+        phases.append(head_gradient_bytes(model, run, strategy))
     if stage == 0:
         table = model.vocab * model.hidden // (layout.tp if run.engine == "megatron" else 1)
         phases.append(table * r.grads - stage_activation_bytes(model, run, strategy, stage))

@@ -471,6 +471,42 @@ class TestFormulas(unittest.TestCase):
             self.assertEqual(max(per_stage), per_stage[-1], pp)
             self.assertAlmostEqual(sum(per_stage), one * model.seq, delta=1)
 
+    def test_the_heads_weight_gradient_is_what_torch_makes(self):
+        """nd's Head (fp32 weights) under bf16 autocast and nd's loss on real CPU tensors, two
+        micro-batches: from the second on, backward peaks above what was live as it began by
+        head_gradient_bytes exactly (the 16-bit weight gradient and its fp32 copy beside the
+        first micro-batch's .grad, less what the linear's backward freed), more than the loss's
+        backward (2 n b V r_logits). One micro-batch, or the megatron engine: 0."""
+        model = P.Model(layers=1, hidden=64, heads=4, vocab=1024, seq=8)
+        run = P.Run.for_engine("nd", 2, "nd-autocast", micro_batches=(1,))
+        strategy = P.Strategy(nd.Layout(), 1)
+        head = nd.Head(gpt_of(model))
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 1, 64, generator=generator)
+        targets = torch.randint(0, 1024, (1, 8), generator=generator)
+        tracker, above = memory.MemoryTracker(), []
+        with tracker:
+            tracker.mark(head.parameters(), "parameter")
+            for _ in range(2):  # nd.Stage's forward on the last stage, then nd.NDTrainer.loss_fn's loss
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = head(x.clone().requires_grad_()).to(torch.float32).contiguous()
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 1024), targets.t().reshape(-1),
+                                                         reduction="sum")
+                del logits
+                before = tracker.live_bytes
+                tracker.reset_peak()
+                loss.backward()
+                above.append(tracker.peak_bytes - before)
+                del loss
+        expected = P.head_gradient_bytes(model, run, strategy)
+        self.assertEqual(above[1], expected, f"second micro-batch's backward: measured {above[1]} bytes "
+                                             f"above what was live, head_gradient_bytes {expected}")
+        self.assertGreater(expected, 2 * 8 * 1024 * 4, "the loss's backward would decide this peak")
+        one = P.Run.for_engine("nd", 1, "nd-autocast", micro_batches=(1,))
+        megatron = P.Run.for_engine("megatron", 2, micro_batches=(1,))
+        self.assertEqual([P.head_gradient_bytes(model, other, strategy) for other in (one, megatron)], [0, 0],
+                         "one micro-batch (its gradient is stolen as .grad); megatron (added into main_grad)")
+
     def test_recipes_are_lesson_07s_bytes_per_parameter(self):
         for name, recipe, factor in (("bf16", "mixed_adam_main_grad", 1), ("fp16-zero", "mixed_adam", 1),
                                      ("bf16-reduce-bf16", "mixed_adam", 1), ("fp32", "fp32_adam", 1),
@@ -625,6 +661,29 @@ class TestReadme(unittest.TestCase):
         self.assertEqual((P.strategy_name(best.strategy), round(best.memory.peak / 1e9, 1)),
                          ("dp64xtp8xpp16 b1 zero2 sel k1", 71.7))
         self.assertIn("71.7 GB of 72", self.section)
+
+    def test_the_heads_weight_gradient(self):
+        """The last stage's head weight gradient against the loss's backward, at tp4 x cp4 and
+        tp2 x cp2 (2 micro-batches per replica, as in the simulation's table)."""
+        def gb(x):
+            return f"**{x / 1e9:.2f} GB**"
+
+        model, r = self.model, P.RECIPES["nd-autocast"]
+        quoted = []
+        for layout in (nd.Layout(dp=2, tp=4, pp=2, cp=4), nd.Layout(dp=8, tp=2, pp=2, cp=2)):
+            run, strategy = P.Run.for_engine("nd", 2 * layout.dp, "nd-autocast"), P.Strategy(layout, 1)
+            n = model.seq // (layout.cp * layout.tp)
+            quoted += [P.head_gradient_bytes(model, run, strategy), 2 * n * model.vocab * r.logits]
+        bf16, fp32 = model.vocab * model.hidden * r.cast, model.vocab * model.hidden * r.grads
+        expected = [gb(bf16), gb(fp32), gb(quoted[0]), gb(quoted[1]), gb(quoted[3]), gb(quoted[2])]
+        self.assertEqual(expected, ["**1.05 GB**", "**2.10 GB**", "**1.84 GB**", "**0.53 GB**", "**2.10 GB**",
+                                    "**1.07 GB**"], "the head's gradient and the loss's backward")
+        paragraph = self.section[self.section.index("The last\nstage of tp4 x cp4"):]
+        at = 0
+        for number in expected:  # each after the one before
+            at = paragraph.find(number, at)
+            self.assertGreaterEqual(at, 0, f"the README quotes {expected} in this order: {number} missing")
+            at += len(number)
 
     def test_the_simulations_predicted_columns(self):
         """The README's full-size simulation (a demo: minutes) quotes the planner's side, here."""

@@ -26,8 +26,9 @@ S = importlib.import_module("lessons.13_capstone.simulate")
 nd = importlib.import_module("lessons.13_capstone.nd")
 collectives = importlib.import_module("lessons.01_collectives.main")
 
-# every dimension at 2 (16 ranks); 4 micro-batches per dp replica; sizes small, shapes real
-MODEL = P.Model(layers=4, hidden=64, heads=4, vocab=128, seq=64)
+# every dimension at 2 (16 ranks); 4 micro-batches per dp replica; sizes small, shapes real; a
+# vocabulary (1024 x hidden 64) whose head's weight gradient decides the last stage's peak
+MODEL = P.Model(layers=4, hidden=64, heads=4, vocab=1024, seq=64)
 CLUSTER = P.Cluster(16, 8, 80e9, 450e9, 50e9, 989e12)
 RUN = P.Run.for_engine("megatron", 8)
 EVERY = nd.Layout(dp=2, tp=2, pp=2, cp=2)
@@ -76,6 +77,21 @@ class TestSimulation(unittest.TestCase):
         with mock.patch.object(P, "zero_group", lambda run, layout: 1):
             wrong = S.compare(MODEL, CLUSTER, self.plan_run, self.strategy, self.simulated)
         self.assertFalse(any(r["agrees"] for r in wrong), "ZeRO forgotten, yet a row agrees")
+
+    def test_the_heads_weight_gradient_decides_the_last_stage(self):
+        """The last stage peaks as its second micro-batch's head weight gradient (16-bit and its
+        fp32 copy) meets the first's: the planner without `head_gradient_bytes` (only the
+        loss's backward on top of the activations) falls more than 3% short."""
+        with mock.patch.object(P, "head_gradient_bytes", lambda model, run, strategy: 0):
+            wrong = S.compare(MODEL, CLUSTER, self.plan_run, self.strategy, self.simulated)
+        for right, row in zip(self.rows, wrong):
+            ratio = row["peak_simulated"] / row["peak_predicted"]
+            if row["stage"] == EVERY.pp - 1:
+                self.assertGreater(ratio, 1.03, f"last stage without the head's gradient: simulated / "
+                                                f"predicted = {ratio:.3f}")
+            else:
+                self.assertEqual(row["peak_predicted"], right["peak_predicted"],
+                                 "only the last stage has the head")
 
 
 class TestCounter(unittest.TestCase):
