@@ -138,9 +138,10 @@ def run_config(variant: str, seq: int, heads: int, head_dim: int, causal: bool, 
 def dq_beyond_one_rounding(q, k, v, w, out, dq, causal: bool) -> float:
     """How far a bf16 dQ is beyond ONE rounding of its exact value under the backward's contract:
     x = dQ in float64 from the same bf16 q, k, v, dO = w, with delta = rowsum(dO * O) read from
-    the returned bf16 O (as FlashAttention-2's dot_do_o reads its saved O). Rounding once to
-    bf16 gives x (1 + r), |r| <= eps / 2, so this is max_i (|dQ_i - x_i| - eps / 2 |x_i|) over
-    eps max |x|: at most the fp32 work's error when dQ is summed in fp32 and rounded once."""
+    `out` (the returned bf16 O, which FlashAttention-2's dot_do_o reads, or the fp32 O before
+    rounding). Rounding once to bf16 gives x (1 + r), |r| <= eps / 2, so this is
+    max_i (|dQ_i - x_i| - eps / 2 |x_i|) / (eps max |x|): at most the fp32 work's error when dQ
+    is summed in fp32 and rounded once."""
     q, k, v, w, out = (t.double() for t in (q, k, v, w, out))
     scale = q.shape[-1] ** -0.5
     scores = q @ k.transpose(-1, -2) * scale
@@ -165,7 +166,9 @@ def run_bf16_ring(seq: int, heads: int, head_dim: int, causal: bool, group) -> d
     return {"causal": causal, "dtype": str(run["out"].dtype).removeprefix("torch."),
             "errors": [C.max_abs_diff(a.double(), b) / (eps * b.abs().max().item())
                        for a, b in zip([run["out"], *run["grads"]], [ref_out, *ref_grads])],
-            "dq_beyond_one_rounding": dq_beyond_one_rounding(*inputs, run["out"], run["grads"][0], causal)}
+            # delta from the returned out (as FlashAttention-2) or from an fp32 out saved before rounding
+            "dq_beyond_one_rounding": min(dq_beyond_one_rounding(*inputs, out, run["grads"][0], causal)
+                                          for out in (run["out"], ref_out))}
 
 
 def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
