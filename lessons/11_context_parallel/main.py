@@ -130,7 +130,8 @@ class RingAttention(torch.autograd.Function):
     q (..., seq / cp, d) and k, v (..., seq / cp, d) with H / g of q's H heads on dim -3 (g > 1:
     grouped-query attention): this rank's shard. Returns out (..., seq / cp, d), the rows of
     full attention at this rank's positions. The tiles are blockwise.py's, two halves of the
-    shard by two of the held block; the running out and lse are fp32 (fp64 for fp64 inputs).
+    shard by two of the held block; the running out and lse and the backward's sum of dQ over
+    the tiles are fp32 (fp64 for fp64 inputs), out and dQ rounded to q's dtype once, at the end.
     Forward: cp - 1 exchange steps, each sending the held K and V (2 B_kv bytes, B_kv =
     H_kv (seq / cp) d itemsize) to rank + 1 while the held block is computed: 2 (cp - 1) B_kv.
     Backward: the blocks go round again with their dK, dV accumulators (4 B_kv per step, in

@@ -135,10 +135,29 @@ def run_config(variant: str, seq: int, heads: int, head_dim: int, causal: bool, 
     return result if "error" in result else {**result, "backward_tiles": len(backward_tiles)}
 
 
+def dq_beyond_one_rounding(q, k, v, w, out, dq, causal: bool) -> float:
+    """How far a bf16 dQ is beyond ONE rounding of its exact value under the backward's contract:
+    x = dQ in float64 from the same bf16 q, k, v, dO = w, with delta = rowsum(dO * O) read from
+    `out` (the returned bf16 O, which FlashAttention-2's dot_do_o reads, or the fp32 O before
+    rounding). Rounding once to bf16 gives x (1 + r), |r| <= eps / 2, so this is
+    max_i (|dQ_i - x_i| - eps / 2 |x_i|) / (eps max |x|): at most the fp32 work's error when dQ
+    is summed in fp32 and rounded once."""
+    q, k, v, w, out = (t.double() for t in (q, k, v, w, out))
+    scale = q.shape[-1] ** -0.5
+    scores = q @ k.transpose(-1, -2) * scale
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    delta = (w * out).sum(-1, keepdim=True)
+    exact = (torch.softmax(scores, -1) * (w @ v.transpose(-1, -2) - delta)) @ k * scale
+    eps = torch.finfo(torch.bfloat16).eps
+    beyond = (dq.double() - exact).abs() - eps / 2 * exact.abs()
+    return beyond.max().item() / (eps * exact.abs().max().item())
+
+
 def run_bf16_ring(seq: int, heads: int, head_dim: int, causal: bool, group) -> dict:
     """The ring (online-softmax and zig-zag oracles) on bf16 inputs against float64 attention on
     the same rounded inputs: the output's dtype and max |error| / (eps max |reference|) for
-    out, dQ, dK, dV (eps: bf16's)."""
+    out, dQ, dK, dV (eps: bf16's); and dQ beyond one rounding (dq_beyond_one_rounding)."""
     inputs = tuple(t.to(torch.bfloat16) for t in C.full_inputs(7 + heads, seq, heads, head_dim, "cpu"))
     ref_out, ref_grads = C.reference(*(t.double() for t in inputs), causal)
     eps = torch.finfo(torch.bfloat16).eps
@@ -146,7 +165,10 @@ def run_bf16_ring(seq: int, heads: int, head_dim: int, causal: bool, group) -> d
         run = C.run_variant("ring", inputs, seq, causal, "zigzag", group=group)
     return {"causal": causal, "dtype": str(run["out"].dtype).removeprefix("torch."),
             "errors": [C.max_abs_diff(a.double(), b) / (eps * b.abs().max().item())
-                       for a, b in zip([run["out"], *run["grads"]], [ref_out, *ref_grads])]}
+                       for a, b in zip([run["out"], *run["grads"]], [ref_out, *ref_grads])],
+            # delta from the returned out (as FlashAttention-2) or from an fp32 out saved before rounding
+            "dq_beyond_one_rounding": min(dq_beyond_one_rounding(*inputs, out, run["grads"][0], causal)
+                                          for out in (run["out"], ref_out))}
 
 
 def cp_worker(ctx: RankContext, seq: int, heads: int, head_dim: int) -> dict:
