@@ -155,13 +155,8 @@ def device_for_extra_ranks(requested: str, world_size: int) -> str:
     lesson 14's replicas) when the learner asked for `requested`: the same, except "cuda" with
     fewer GPUs than ranks (one GPU, world 1 -> 2), where it runs on the CPU with gloo instead
     of failing. What such a launch checks (a checkpoint's bytes, replicas' fingerprints) does
-    not depend on the device; the demo says where it ran."""
-    if requested != "cuda":
-        return choose_device(requested, world_size)[0]
-    try:
-        return choose_device(requested, world_size)[0]
-    except ValueError:
-        return "cpu"
+    not depend on the device; the demo says where it ran. That is "auto"'s rule."""
+    return choose_device("auto" if requested == "cuda" else requested, world_size)[0]
 
 
 def _loopback_interface() -> str | None:

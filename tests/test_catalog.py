@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import subprocess
 import sys
 import unittest
 
 from course import CatalogError, catalog_problems, select_lessons
-from tests._course import REPO_ROOT, catalog
+from tests._course import REPO_ROOT, catalog, lesson_module, lessons
 
 
 class TestCatalog(unittest.TestCase):
@@ -69,20 +71,12 @@ class TestCatalog(unittest.TestCase):
         self.assertIn("Collective operations", proc.stdout)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class TestDefaultsAtEveryWorldSize(unittest.TestCase):
     """The guide: a lesson's defaults run at world sizes 1-4 without the learner picking other
     sizes. Each multi-rank lesson's own argument parser must accept --world-size 1..4 alone
     (lesson 04's 4 heads and 8 positions once refused 3 ranks); a one-process lesson, 1."""
 
     def test_each_lesson_accepts_its_world_sizes_with_defaults(self):
-        import contextlib
-        import io
-
-        from tests._course import lesson_module, lessons
         for lesson in lessons():
             checks = lesson_module(lesson, "checks")
             worlds = range(1, 5) if lesson["hardware"]["default_ranks"] > 1 else (1,)
@@ -94,3 +88,7 @@ class TestDefaultsAtEveryWorldSize(unittest.TestCase):
                     except SystemExit:
                         self.fail(f"{lesson['id']} at --world-size {world}: "
                                   f"{err.getvalue().strip().splitlines()[-1]}")
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -688,7 +688,7 @@ def demo(args, config: TrainConfig) -> Report:
     device, backend = choose_device(args.device, world)
     torchrun = under_torchrun()
     other_world = 2 if world != 2 else 3
-    reshard_device = args.device if torchrun else device_for_extra_ranks(args.device, other_world)
+    reshard_device = device_for_extra_ranks(args.device, other_world)
     with tempfile.TemporaryDirectory(prefix="lesson06-") as tmp:
         first = launch(demo_worker, world,
                        (dataclasses.asdict(config), None if torchrun else tmp, args.save_every,

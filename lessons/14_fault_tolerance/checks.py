@@ -19,7 +19,6 @@ import json
 import math
 import multiprocessing
 import os
-import pickle
 import random
 import shutil
 import signal
@@ -53,7 +52,7 @@ from lessons._report import (
     world_size_of,
 )
 
-from . import failure_model, recovery
+from . import failure_model, nccl_hang, recovery
 
 capstone, checkpointing = recovery.capstone, recovery.checkpointing
 
@@ -249,8 +248,7 @@ def compare_with_flight_recorder(diagnostics: Path) -> Check:
         if not fr_path.exists():
             continue
         ours = json.loads(ours_path.read_text())
-        theirs = {e["collective_seq_id"]: e for e in pickle.loads(fr_path.read_bytes())["entries"]
-                  if e["process_group"][1] == "default_pg"}
+        theirs = {e["seq"]: e for e in nccl_hang.read_dump(fr_path) if e["group"] == "default_pg"}
         world = len(ours["entries"][-1]["group"]) if ours["entries"] else 0
         for entry in ours["entries"]:
             if len(entry["group"]) != world or entry["seq"] not in theirs:
@@ -259,21 +257,22 @@ def compare_with_flight_recorder(diagnostics: Path) -> Check:
             compared += 1
             if not same_collective(entry, fr):
                 mismatches.append(f"#{entry['seq']} {entry['op']} {entry['sizes']} vs "
-                                  f"{fr['profiling_name']} {fr['input_sizes']}")
+                                  f"{fr['op']} {fr['sizes']}")
     return Check("our ring buffer == PyTorch's flight recorder (same seq, op, sizes)",
                  compared > 0 and not mismatches,
                  f"{compared} collectives compared" + (f"; {mismatches[:2]}" if mismatches else ""))
 
 
 def same_collective(ours: dict, fr: dict) -> bool:
-    """Our entry and a flight-recorder entry describe the same call: the op's family (torch
-    names all_gather_into_tensor "all_gather", barrier an all_reduce of one element...)."""
-    name = fr["profiling_name"].split(":", 1)[1]
+    """Our entry and a flight-recorder row (`nccl_hang.read_dump`) describe the same call: the
+    op's family (torch names all_gather_into_tensor "all_gather", barrier an all_reduce of one
+    element...)."""
+    name = fr["op"].split(":", 1)[1]
     family = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
               "barrier": "barrier"}.get(ours["op"], ours["op"])
     if ours["op"] == "barrier":
         return "barrier" in name or name == "all_reduce"
-    return name.startswith(family) and (not ours["sizes"] or ours["sizes"] == fr["input_sizes"])
+    return name.startswith(family) and (not ours["sizes"] or ours["sizes"] == fr["sizes"])
 
 
 def preemption_row(reference: dict, first: list[dict], second: list[dict], rank: int,
@@ -365,7 +364,7 @@ def demo(args, config: capstone.GPTRunConfig) -> Report:
         batch = [(str(scratch / "base"), how, {**fault, "kind": None}),  # on `replicas` ranks
                  (str(scratch / "slow"), how, {**fault, "kind": "slow"}),
                  (str(scratch / "sdc"), how, {**fault, "kind": "bitflip"})]
-        batch_device = args.device if replicas == world else device_for_extra_ranks(args.device, replicas)
+        batch_device = device_for_extra_ranks(args.device, replicas)  # a type, as `device` is
         if batch_device != device:
             print(f"the replica runs: {replicas} ranks on {batch_device} ({replicas} ranks need "
                   f"{replicas} GPUs); the killed runs on {world} rank(s) on {device}")

@@ -34,7 +34,7 @@ from pathlib import Path
 PREFIX = "nccl_trace_rank_"  # the dump is PREFIX + rank, as TORCH_NCCL_DEBUG_INFO_TEMP_FILE says
 
 
-def recorder_env(out: Path, timeout_s: float) -> dict:
+def recorder_env(out: Path) -> dict:
     """The child's environment: a flight recorder of 2000 entries, kernel timing (so an entry
     that began is "started", not only "scheduled"), a dump on timeout to out/PREFIX{rank}.
     Both names of each setting: torch 2.11 reads TORCH_NCCL_*, newer ones TORCH_FR_* too."""
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     command = [sys.executable, __file__, "--child", "--out", str(args.out), "--timeout",
                str(args.timeout), "--collectives", str(args.collectives)]
     try:
-        proc = subprocess.run(command, env=recorder_env(args.out, args.timeout), text=True,
+        proc = subprocess.run(command, env=recorder_env(args.out), text=True,
                               capture_output=True, timeout=20 * args.timeout + 60)
     except subprocess.TimeoutExpired:
         print("the rank was not torn down by NCCL's watchdog in time", file=sys.stderr)
