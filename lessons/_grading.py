@@ -7,9 +7,10 @@ tests passed, *failed* when one failed or errored (the first failing assertion i
 *blocked* when none failed but one was skipped (a GPU or a package is missing): a skip is never
 a pass. Writes {"tests": [...], "criteria": {...}} as JSON.
 
-`--first-failure` stops each criterion at its first failing test: its later tests are reported
-"not run", and a test class none of whose criteria can still pass is not set up at all (no
-ranks launched for it). The outcome of every criterion is the same as without it.
+`--first-failure` stops each criterion at its first failing test (and that test at its first
+failing subTest, as unittest's failfast does): its later tests are reported "not run", and a
+test class none of whose criteria can still pass is not set up at all (no ranks launched for
+it). The outcome of every criterion is the same as without it.
 """
 
 from __future__ import annotations
@@ -97,8 +98,15 @@ class _Recorder(unittest.TestResult):
         self.outcomes: dict[str, dict] = {}
         self._started: dict[str, float] = {}
         self.first_failure = first_failure
+        # unittest's failfast ends a test at its first failing subTest (TestCase.subTest raises
+        # _ShouldStop); stop() below keeps it from ending the whole run: a failure ends only its
+        # own criterion, which startTest enforces
+        self.failfast = first_failure
         self.failed_criteria: set[str] = set()
         self._criterion: dict[str, str] = {}
+
+    def stop(self):  # called by failfast on every failure: the other criteria still run
+        pass
 
     def startTest(self, test):
         super().startTest(test)

@@ -85,8 +85,11 @@ class TestAddLater(unittest.TestCase):
 
 class TestScale(unittest.TestCase):
     @exercise("scale")
-    def test_scale(self):
-        self.assertEqual(M.scale([1, 2], 3), [3, 6])
+    def test_scale(self):  # leaves a trace per subTest: --first-failure stops at the first failing one
+        for factor in (3, 4):
+            with self.subTest(factor=factor):
+                open(f"scaled_by_{factor}", "w").close()
+                self.assertEqual(M.scale([1, 2], factor), [factor, 2 * factor])
 
     def test_untouched(self):
         self.assertEqual(M.untouched(), 42)
@@ -211,6 +214,11 @@ class TestGrading(unittest.TestCase):
         self.assertEqual((full["add"]["not_run"], fast["add"]["not_run"]), (0, 2))
         self.assertTrue((self.tmp / "full" / "add_later_was_set_up").exists())
         self.assertFalse((self.tmp / "fast" / "add_later_was_set_up").exists())
+        self.assertEqual(fast["scale"]["message"], full["scale"]["message"])
+        self.assertIn("(factor=3)", fast["scale"]["message"])
+        self.assertTrue((self.tmp / "full" / "scaled_by_4").exists(), "without it every subTest runs")
+        self.assertFalse((self.tmp / "fast" / "scaled_by_4").exists(),
+                         "the first failing subTest ends the test")
         reference = self.grade(self.tmp / "reference", TOY_MAIN, first_failure=True)
         self.assertEqual(reference["add"]["outcome"], "passed")
         self.assertEqual(reference["add"]["not_run"], 0)
