@@ -21,7 +21,8 @@ Tests say which exercise they grade with the `exercise("id")` decorator of lesso
 (on a test method or a TestCase class); an untagged test belongs to the lesson's
 "integration" criterion (the demo, the CLI, the docs' numbers: everything together).
 Planted bugs (`bugs.json` beside main.py) are the mistakes learners make, each a find/replace
-in the reference solution with the exercise that must catch it.
+in the reference solution with the exercise that must catch it and, as `caught_by`, the test of
+that exercise that catches it (the grader runs it first).
 """
 
 from __future__ import annotations
