@@ -57,10 +57,13 @@ class TestBuckets(unittest.TestCase):
         self.assertEqual(data_parallel.assign_buckets_by_size([100, 1, 1], 10), [[2, 1, 0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([5, 5, 5, 5], 1), [[3], [2], [1], [0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([4, 4, 4], 8), [[2, 1], [0]])
-        self.assertEqual(data_parallel.assign_buckets_by_size([5, 5, 6], 6), [[2], [1, 0]],
-                         "a new bucket starts empty: 5 bytes stay below the 6-byte cap")
-        self.assertEqual(data_parallel.assign_buckets_by_size([1, 3, 4], 8), [[2, 1, 0]],
-                         "the first bucket starts empty too: 4 + 3 = 7 bytes stay below the 8-byte cap")
+        for sizes, cap, expected, why in (
+                ([5, 5, 6], 6, [[2], [1, 0]], "a new bucket starts empty: 5 bytes stay below the 6-byte cap"),
+                ([1, 3, 4], 8, [[2, 1, 0]], "the first bucket starts empty too: 4 + 3 = 7 bytes stay "
+                                            "below the 8-byte cap")):
+            got = data_parallel.assign_buckets_by_size(sizes, cap)
+            if got != expected:
+                self.fail(f"assign_buckets_by_size({sizes}, {cap}): expected {expected}, got {got} ({why})")
         self.assertEqual(data_parallel.assign_buckets_by_size([], 10), [])
 
     def test_first_bucket_has_its_own_cap(self):
