@@ -323,21 +323,41 @@ def passes_alone(tests_dir: str, exercise: str, test: str) -> bool:
     return len(found) == 1 and [entry["outcome"] for entry in recorder.outcomes.values()] == ["passed"]
 
 
-def write_hints(tests_dir: str, results: list[dict], lessons_root: Path) -> list[str]:
+def write_hints(tests_dir: str, results: list[dict], lessons_root: Path,
+                timeout_s: float | None = None) -> list[str]:
     """Record in `lessons_root`/<lesson>/bugs.json, as each bug's "caught_by", the test that
-    failed first for it in `results` (grade_planted_bugs), if that test passes alone on the
-    reference; returns the bugs left without a hint."""
+    failed first for it in `results` (grade_planted_bugs), once the hint is stable: graded
+    again with it first, the bug is caught first by that same test (a bug that breaks a class's
+    fixtures fails its tests in file order, not the hinted one first; a test whose verdict
+    depends on the tests before it moves), at most three rounds; and the test passes alone on
+    the reference. Returns the bugs left without a hint."""
     folder = Path(tests_dir).resolve().parent
-    _forget(f"lessons.{folder.name}")
-    alone = {(r["exercise"], r["caught_by"]): passes_alone(tests_dir, r["exercise"], r["caught_by"])
-             for r in results if r["outcome"] == "failed" and r["caught_by"]}
+    workspace_bugs = folder / "bugs.json"  # the copy this process grades in
+    original = workspace_bugs.read_text()
+    hints = {r["id"]: r["caught_by"] for r in results if r["outcome"] == "failed" and r["caught_by"]}
+    stable: dict[str, str] = {}
+    try:
+        for _ in range(3):
+            specs = json.loads(original)
+            for spec in specs:
+                spec["caught_by"] = hints.get(spec["id"], "")
+            workspace_bugs.write_text(json.dumps(specs))
+            again = {r["id"]: r for r in grade_planted_bugs(tests_dir, timeout_s=timeout_s)["bugs"]}
+            stable = {key: test for key, test in hints.items() if again[key]["caught_by"] == test}
+            hints = {key: again[key]["caught_by"] for key in hints if again[key]["caught_by"]}
+            if len(stable) == len(hints):
+                break
+    finally:
+        workspace_bugs.write_text(original)
+        _forget(f"lessons.{folder.name}")
+    exercise_of = {r["id"]: r["exercise"] for r in results}
+    alone = {key: passes_alone(tests_dir, exercise_of[key], test) for key, test in stable.items()}
     _forget(f"lessons.{folder.name}")
     path = lessons_root / folder.name / "bugs.json"
-    specs, by_id, unhinted = json.loads(path.read_text()), {r["id"]: r for r in results}, []
+    specs, unhinted = json.loads(path.read_text()), []
     for spec in specs:
-        result = by_id.get(spec["id"], {})
-        if alone.get((result.get("exercise"), result.get("caught_by"))):
-            spec["caught_by"] = result["caught_by"]
+        if alone.get(spec["id"]):
+            spec["caught_by"] = stable[spec["id"]]
         else:
             spec.pop("caught_by", None)
             unhinted.append(spec["id"])
@@ -407,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             report["lessons"][tests_dir] = grade_planted_bugs(tests_dir, args.bugs, args.bug_timeout,
                                                               args.progress)["bugs"]
             if args.write_hints:
-                unhinted = write_hints(tests_dir, report["lessons"][tests_dir], args.write_hints)
+                unhinted = write_hints(tests_dir, report["lessons"][tests_dir], args.write_hints,
+                                       args.bug_timeout)
                 if unhinted:
                     print(f"{tests_dir}: no hint for {', '.join(unhinted)}", file=sys.stderr)
     elif len(args.tests_dir) == 1:
