@@ -8,8 +8,11 @@ resumes in another on the same trajectory; the verified load refuses what it can
 a layout the model cannot split is refused with one line. Every run passes device="cpu".
 
 Two launches make every run: one of 3 ranks (dp3, cp3, pp3, tp3; cp3 and tp3 save
-checkpoints) and one of 6 (the compositions, then resumes of those checkpoints on 6 ranks). A
+checkpoints) and one of 6 (the compositions, then resumes of those checkpoints on 6 ranks);
+graded alone (a planted bug, a mutant), a case is launched by itself when first asked for. A
 launch that fails is remembered: the other tests re-raise its error without launching again.
+unittest (and so the grader) runs the classes in the order of this file, as pytest does: an
+exercise's checks in this process come before its launches.
 
 Tolerances: float64 runs of the same arithmetic in another summation order (sums split over
 ranks, attention merged block by block) differ by a few ulps per operation: 1e-12 on losses
