@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import io
 import json
@@ -346,9 +347,9 @@ def two_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             {"params": params[1::2], "weight_decay": 0.0}]
 
 
-def new_trainer(rank: int = 0, world: int = 1):
+def new_trainer(rank: int = 0, world: int = 1, config: M.GPTRunConfig = CKPT_CONFIG):
     with mock.patch.object(M, "decay_groups", two_groups):
-        return M.GPTTrainer(CKPT_CONFIG, rank, world, torch.device("cpu"), CKPT_VOCAB)
+        return M.GPTTrainer(config, rank, world, torch.device("cpu"), CKPT_VOCAB)
 
 
 def plain_step(trainer, data: torch.Tensor) -> list[float]:
@@ -495,6 +496,28 @@ class TestCheckpointResume(unittest.TestCase):
                          "step 6 belongs to a future that no longer happens: remove it")
         self.assert_state_at_step_3(trainer)
         self.continue_to_the_end(trainer)
+
+    def test_a_checkpoint_before_the_first_step_holds_no_moments_and_loads(self):
+        fresh = new_trainer(rank=1, world=3)  # AdamW has no state for any parameter yet
+        shards = [through_bytes(fresh.shard_state())]
+        state = shards[0]
+        self.assertEqual((state["step"], state["exp_avg"], state["exp_avg_sq"], state["adam_step"]),
+                         (0, {}, {}, {}), "before step 1: no moments and no adam_step entries")
+        for name, param in fresh.named:
+            start, end = M.zero.shard_bounds(param.numel(), 3, 1)
+            self.assertTrue(torch.equal(shards[0]["params"][name], param.detach().reshape(-1)[start:end]),
+                            f"{name}: rank 1 of 3's slice of the weights")
+        trainer = new_trainer()
+        trainer.load_shards([through_bytes(new_trainer(rank=r, world=3).shard_state()) for r in range(3)])
+        self.assertEqual((trainer.step, dict(trainer.optimizer.state)), (0, {}),
+                         "a checkpoint saved before step 1 loads no optimizer state")
+
+    def test_resume_refuses_another_run_by_its_fingerprint(self):
+        # the same shapes, another schedule: nothing but the fingerprint can tell the runs apart
+        other = new_trainer(config=dataclasses.replace(CKPT_CONFIG, lr=2e-2))
+        with self.assertRaisesRegex(M.checkpointing.CheckpointError, "fingerprint"):
+            M.resume(other, self.dir / "checkpoints", reshard=False)
+        self.assertEqual(other.step, 0, "refused before any tensor is used")
 
     def test_resume_refuses_another_world_size_unless_resharding(self):
         other = new_trainer(rank=0, world=2)  # 2 ranks' view of the 1-rank checkpoint
