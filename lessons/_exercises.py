@@ -21,7 +21,8 @@ Tests say which exercise they grade with the `exercise("id")` decorator of lesso
 (on a test method or a TestCase class); an untagged test belongs to the lesson's
 "integration" criterion (the demo, the CLI, the docs' numbers: everything together).
 Planted bugs (`bugs.json` beside main.py) are the mistakes learners make, each a find/replace
-in the reference solution with the exercise that must catch it.
+in the reference solution with the exercise that must catch it and, as `caught_by`, the test of
+that exercise that catches it (the grader runs it first).
 """
 
 from __future__ import annotations
@@ -284,6 +285,11 @@ class PlantedBug:
     find: str
     replace: str
     mistake: str  # the learner's mistake, in words
+    # the test that failed first for this bug when the hints were last written (its id under the
+    # lesson's tests/, "test_x.TestY.test_z"; `python -m lessons._grading TESTS --planted-bugs
+    # --write-hints`): graded first, so a bug costs that test, not every test before it. A stale
+    # hint costs only time: the exercise's other tests still run if it passes.
+    caught_by: str = ""
 
 
 def planted_bugs(folder: Path) -> list[PlantedBug]:
@@ -303,7 +309,10 @@ def planted_bugs(folder: Path) -> list[PlantedBug]:
         if missing:
             raise ExerciseError(f"{where}: missing {sorted(missing)}")
         bug = PlantedBug(**{key: spec[key] for key in
-                            ("id", "exercise", "file", "find", "replace", "mistake")})
+                            ("id", "exercise", "file", "find", "replace", "mistake")},
+                         caught_by=spec.get("caught_by", ""))
+        if not isinstance(bug.caught_by, str):
+            raise ExerciseError(f"{where}.caught_by: must be a test id (a string)")
         if bug.exercise not in known:
             raise ExerciseError(f"{where}.exercise: {bug.exercise!r} is not marked in the "
                                 f"lesson's technique files")

@@ -194,10 +194,20 @@ def _by_class(tests: list) -> list[list]:
     return groups
 
 
+def _hinted_first(tests: list, first: str | None) -> list:
+    """`tests` with the one whose id ends with `first` ("test_x.TestY.test_z") moved to the
+    front (a planted bug's hint: the test that caught it last time); unchanged if none does."""
+    hinted = [t for t in tests if first and t.id().endswith("." + first)]
+    return hinted[:1] + [t for t in tests if t is not hinted[0]] if hinted else tests
+
+
 def grade(tests_dir: str, exercise: str | list[str] | None = None,
-          first_failure: bool = False) -> dict:
+          first_failure: bool = False, first: str | None = None) -> dict:
     """Run the suite under `tests_dir` (only the tests of `exercise`, one id or several, if
-    given) and return {"tests": [...], "criteria": {...}}."""
+    given) and return {"tests": [...], "criteria": {...}}, the tests in the order they ran.
+    With `first_failure`, the test named by `first` (an id under tests_dir, "test_x.TestY.
+    test_z") runs before the others, alone with its class's fixtures: a criterion fails iff one
+    of its tests fails, whichever runs first."""
     loader = unittest.TestLoader()
     suite = loader.discover(tests_dir, top_level_dir=".")
     tests = _flatten(suite)
@@ -210,7 +220,9 @@ def grade(tests_dir: str, exercise: str | list[str] | None = None,
         if not first_failure:
             unittest.TestSuite(tests).run(recorder)
         else:
-            for group in _by_class(tests):  # one suite per class: its fixtures run inside it
+            ordered = _hinted_first(tests, first)
+            groups = ([ordered[:1]] + _by_class(ordered[1:])) if ordered is not tests else _by_class(tests)
+            for group in groups:  # one suite per class: its fixtures run inside it
                 if {criterion_of(t) for t in group} <= recorder.failed_criteria:
                     for test in group:
                         recorder.outcomes[test.id()] = {"id": test.id(), "criterion": criterion_of(test),
@@ -249,10 +261,11 @@ def grade_planted_bugs(tests_dir: str, bugs_file: str | None = None,
     """Plant each of the lesson's bugs (bugs.json, or the specs in `bugs_file`: the same
     fields, e.g. mutants from course/mutants.py) in turn, in place, into the working copy the
     process runs in (a reference workspace), grade that bug's exercise alone up to its first
-    failure, and restore the file. One process for all the bugs: the interpreter and the
-    forkserver start once. `timeout_s`: a bug whose grading runs longer is stopped (its
-    launches kill their ranks) and counts as caught ("timeout"). Returns {"bugs": [{"id",
-    "exercise", "outcome", "message", "seconds"}]}."""
+    failure (its `caught_by` hint first), and restore the file. One process for all the bugs:
+    the interpreter and the forkserver start once. `timeout_s`: a bug whose grading runs longer
+    is stopped (its launches kill their ranks) and counts as caught ("timeout"). Returns
+    {"bugs": [{"id", "exercise", "outcome", "message", "caught_by" (the first failing test),
+    "hint", "seconds"}]}."""
     from lessons._exercises import PlantedBug, planted_bugs
 
     folder = Path(tests_dir).resolve().parent
@@ -275,10 +288,12 @@ def grade_planted_bugs(tests_dir: str, bugs_file: str | None = None,
                 _forget(package)
                 if timeout_s:
                     signal.setitimer(signal.ITIMER_REAL, timeout_s)
-                report = grade(tests_dir, bug.exercise, first_failure=True)
+                report = grade(tests_dir, bug.exercise, first_failure=True, first=bug.caught_by)
                 entry = report["criteria"].get(bug.exercise, {"outcome": "failed", "message": "no tests"})
+                failing = [test["id"] for test in report["tests"] if test["outcome"] == "failed"]
+                entry = {**entry, "caught_by": failing[0].split(".tests.", 1)[-1] if failing else ""}
             except BugTimeout as exc:
-                entry = {"outcome": "timeout", "message": str(exc)}
+                entry = {"outcome": "timeout", "message": str(exc), "caught_by": ""}
             finally:
                 if timeout_s:
                     signal.setitimer(signal.ITIMER_REAL, 0)
@@ -286,6 +301,7 @@ def grade_planted_bugs(tests_dir: str, bugs_file: str | None = None,
                 _forget(package)
             results.append({"id": bug.id, "exercise": bug.exercise, "mistake": bug.mistake,
                             "outcome": entry["outcome"], "message": entry["message"],
+                            "caught_by": entry["caught_by"], "hint": bug.caught_by,
                             "seconds": round(time.monotonic() - started, 2)})
             if progress:
                 print(f"[{number}/{len(bugs)}] {bug.id}: {entry['outcome']} "
@@ -294,6 +310,39 @@ def grade_planted_bugs(tests_dir: str, bugs_file: str | None = None,
         if previous is not None:
             signal.signal(signal.SIGALRM, previous)
     return {"bugs": results}
+
+
+def passes_alone(tests_dir: str, exercise: str, test: str) -> bool:
+    """Whether the test `test` ("test_x.TestY.test_z") passes run alone, with only its class's
+    fixtures, on the code as it is: a hint must not depend on the tests before it."""
+    found = [t for t in _flatten(unittest.TestLoader().discover(tests_dir, top_level_dir="."))
+             if t.id().endswith("." + test)]
+    recorder = _Recorder()
+    with selecting(frozenset({exercise})):
+        unittest.TestSuite(found[:1]).run(recorder)
+    return len(found) == 1 and [entry["outcome"] for entry in recorder.outcomes.values()] == ["passed"]
+
+
+def write_hints(tests_dir: str, results: list[dict], lessons_root: Path) -> list[str]:
+    """Record in `lessons_root`/<lesson>/bugs.json, as each bug's "caught_by", the test that
+    failed first for it in `results` (grade_planted_bugs), if that test passes alone on the
+    reference; returns the bugs left without a hint."""
+    folder = Path(tests_dir).resolve().parent
+    _forget(f"lessons.{folder.name}")
+    alone = {(r["exercise"], r["caught_by"]): passes_alone(tests_dir, r["exercise"], r["caught_by"])
+             for r in results if r["outcome"] == "failed" and r["caught_by"]}
+    _forget(f"lessons.{folder.name}")
+    path = lessons_root / folder.name / "bugs.json"
+    specs, by_id, unhinted = json.loads(path.read_text()), {r["id"]: r for r in results}, []
+    for spec in specs:
+        result = by_id.get(spec["id"], {})
+        if alone.get((result.get("exercise"), result.get("caught_by"))):
+            spec["caught_by"] = result["caught_by"]
+        else:
+            spec.pop("caught_by", None)
+            unhinted.append(spec["id"])
+    path.write_text(json.dumps(specs, indent=2, ensure_ascii=False) + "\n")
+    return unhinted
 
 
 def grade_untouched(tests_dir: str) -> dict:
@@ -337,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bug-timeout", type=float, metavar="SECONDS",
                         help="with --planted-bugs: stop a bug's grading after this long (caught)")
     parser.add_argument("--progress", action="store_true", help="with --planted-bugs: a line per bug")
+    parser.add_argument("--write-hints", type=Path, metavar="LESSONS",
+                        help="with --planted-bugs: write each bug's first failing test as its "
+                             "caught_by hint into LESSONS/<lesson>/bugs.json (the course's lessons/)")
     parser.add_argument("--untouched", action="store_true",
                         help="with --planted-bugs: first grade each lesson with every exercise "
                              "stubbed (as a fresh workspace), reported under 'untouched'")
@@ -345,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--bugs needs --planted-bugs and one tests folder")
     if args.untouched and not args.planted_bugs:
         parser.error("--untouched needs --planted-bugs")
+    if args.write_hints and (not args.planted_bugs or args.bugs):
+        parser.error("--write-hints needs --planted-bugs and the lessons' own bugs.json")
     if args.planted_bugs:  # one process for every lesson named: torch and the forkserver start once
         report: dict = {"lessons": {}, "untouched": {}}
         for tests_dir in args.tests_dir:
@@ -352,6 +406,10 @@ def main(argv: list[str] | None = None) -> int:
                 report["untouched"][tests_dir] = grade_untouched(tests_dir)
             report["lessons"][tests_dir] = grade_planted_bugs(tests_dir, args.bugs, args.bug_timeout,
                                                               args.progress)["bugs"]
+            if args.write_hints:
+                unhinted = write_hints(tests_dir, report["lessons"][tests_dir], args.write_hints)
+                if unhinted:
+                    print(f"{tests_dir}: no hint for {', '.join(unhinted)}", file=sys.stderr)
     elif len(args.tests_dir) == 1:
         report = grade(args.tests_dir[0], args.exercise, args.first_failure)
     else:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -64,6 +65,10 @@ M = importlib.import_module("lessons.99_toy.main")
 
 @exercise("add")
 class TestAdd(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):  # leaves a trace: a planted bug's hint runs a later class first
+        open("add_was_set_up", "w").close()
+
     def test_add(self):
         self.assertEqual(M.add(2, 3), 5)
 
@@ -239,6 +244,39 @@ class TestGrading(unittest.TestCase):
         self.assertEqual([(r["id"], r["outcome"]) for r in results],
                          [("plus-one", "failed"), ("harmless", "passed")])
         self.assertEqual((folder / "main.py").read_text(), TOY_MAIN)  # restored
+
+    def test_a_bugs_hint_runs_its_test_first_and_write_hints_records_it(self):
+        from course.__main__ import grade_planted_bugs
+        root = self.tmp / "hints"
+        lesson = make_workspace(root)
+        folder = root / "lessons" / "99_toy"
+        only_one = {"id": "one-plus-one", "exercise": "add", "file": "main.py", "find": "return a + b",
+                    "replace": "return a + b + (a == 1)", "mistake": "wrong only when a == 1"}
+        harmless = {"id": "harmless", "exercise": "scale", "file": "main.py", "find": "return out",
+                    "replace": "return list(out)", "mistake": "not a bug"}
+        (folder / "bugs.json").write_text(json.dumps([only_one, harmless]))
+        proc = subprocess.run([sys.executable, "-m", "lessons._grading", "lessons/99_toy/tests",
+                               "--planted-bugs", "--write-hints", "lessons", "--json", "out.json"],
+                              cwd=root, capture_output=True, text=True, timeout=120)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertIn("no hint for harmless", proc.stderr)
+        first = json.loads((root / "out.json").read_text())["lessons"]["lessons/99_toy/tests"]
+        self.assertEqual([(r["outcome"], r["caught_by"], r["hint"]) for r in first],
+                         [("failed", "test_toy.TestAddLater.test_add_again", ""), ("passed", "", "")])
+        self.assertTrue((root / "add_was_set_up").exists(), "without a hint TestAdd runs first")
+        written = json.loads((folder / "bugs.json").read_text())
+        self.assertEqual([spec.get("caught_by") for spec in written],
+                         ["test_toy.TestAddLater.test_add_again", None])
+        (root / "add_was_set_up").unlink()
+        hinted = grade_planted_bugs(lesson, root, timeout=120)
+        self.assertEqual([(r["outcome"], r["caught_by"]) for r in hinted],
+                         [("failed", "test_toy.TestAddLater.test_add_again"), ("passed", "")])
+        self.assertFalse((root / "add_was_set_up").exists(), "the hinted test failed first: TestAdd not run")
+        written[0]["caught_by"] = "test_toy.TestAdd.test_add"  # stale: passes under this bug
+        (folder / "bugs.json").write_text(json.dumps(written))
+        stale = grade_planted_bugs(lesson, root, timeout=120)
+        self.assertEqual([(r["outcome"], r["caught_by"]) for r in stale],
+                         [("failed", "test_toy.TestAddLater.test_add_again"), ("passed", "")])
 
     def _write(self, text: str) -> Path:
         path = self.tmp / "main_copy.py"

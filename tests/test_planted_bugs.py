@@ -1,7 +1,8 @@
 """Every planted bug of every lesson is caught by its own exercise, and a learner's untouched
 workspace scores zero without hanging: only that exercise's tests run per bug, up to their
-first failure, the lessons shared by two grader processes side by side (torch and the
-forkserver start once in each, not once per lesson), to keep CI short. (A real workspace
+first failure (the test bugs.json names as catching it runs first), the lessons shared by two
+grader processes side by side (torch and the forkserver start once in each, not once per
+lesson), to keep CI short. (A real workspace
 written by `course exercise` and graded by `course grade`: tests/test_exercises.py.)"""
 
 from __future__ import annotations
@@ -71,6 +72,19 @@ class TestPlantedBugs(unittest.TestCase):
                 with self.subTest(lesson=lesson["id"], bug=result["id"]):
                     self.assertEqual(result["outcome"], "failed",
                                      f"{result['mistake']}: not caught by {result['exercise']}")
+
+    def test_every_bugs_hint_names_the_test_that_catches_it(self):
+        """bugs.json's caught_by runs first, so a bug costs one test, not every test before it
+        (CI's time): a missing or stale hint fails here, with the command that rewrites them."""
+        rewrite = ("in a copy of lessons/: python -m lessons._grading {tests} --planted-bugs "
+                   "--write-hints <the course>/lessons --json /tmp/bugs.json")
+        for lesson in self.chosen:
+            for result in self.results[lesson["id"]]:
+                with self.subTest(lesson=lesson["id"], bug=result["id"]):
+                    command = rewrite.format(tests=lesson["paths"]["tests"])
+                    self.assertEqual(result["hint"], result["caught_by"],
+                                     f"{result['id']}: hint {result['hint']!r}, caught first by "
+                                     f"{result['caught_by']!r}; {command}")
 
     def test_an_untouched_workspace_scores_zero_without_hanging(self):
         """Every exercise stubbed: each fails with the stub's NotImplementedError, in minutes

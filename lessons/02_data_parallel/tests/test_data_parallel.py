@@ -12,6 +12,7 @@ import importlib
 import json
 import random
 import re
+import sys
 import unittest
 from pathlib import Path
 
@@ -56,8 +57,13 @@ class TestBuckets(unittest.TestCase):
         self.assertEqual(data_parallel.assign_buckets_by_size([100, 1, 1], 10), [[2, 1, 0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([5, 5, 5, 5], 1), [[3], [2], [1], [0]])
         self.assertEqual(data_parallel.assign_buckets_by_size([4, 4, 4], 8), [[2, 1], [0]])
-        self.assertEqual(data_parallel.assign_buckets_by_size([5, 5, 6], 6), [[2], [1, 0]],
-                         "a new bucket starts empty: 5 bytes stay below the 6-byte cap")
+        for sizes, cap, expected, why in (
+                ([5, 5, 6], 6, [[2], [1, 0]], "a new bucket starts empty: 5 bytes stay below the 6-byte cap"),
+                ([1, 3, 4], 8, [[2, 1, 0]], "the first bucket starts empty too: 4 + 3 = 7 bytes stay "
+                                            "below the 8-byte cap")):
+            got = data_parallel.assign_buckets_by_size(sizes, cap)
+            if got != expected:
+                self.fail(f"assign_buckets_by_size({sizes}, {cap}): expected {expected}, got {got} ({why})")
         self.assertEqual(data_parallel.assign_buckets_by_size([], 10), [])
 
     def test_first_bucket_has_its_own_cap(self):
@@ -427,6 +433,17 @@ class TestOnRanks(unittest.TestCase):
                                 what=f"buckets [[5], [4, 3, 2], [1, 0]], {where}")
 
     @exercise("bucketed-reducer")
+    def test_hand_worked_one_weight_in_one_bucket(self):
+        """The one-weight model of `average-gradients`' hand-worked case, in BucketedDDP (one
+        parameter, one bucket): 11/3 over 3 ranks, 2.5 over ranks {0, 2}, 6 on rank 1 alone."""
+        expected = {"group=None": 11 / 3, "[0, 2]": 2.5, "[1]": 6.0}
+        for where, _, _, _, result in self.configurations("reducer"):
+            want = next(v for k, v in expected.items() if k in where)
+            self.assertAlmostEqual(result["hand"], want, delta=1e-12,
+                                   msg=f"one weight, one bucket, {where}: expected {want}, got "
+                                       f"{result['hand']}")
+
+    @exercise("bucketed-reducer")
     def test_second_backward_starts_afresh(self):
         expected = self.expected_events([5, 4, 3, 2, 1, 0], {4: [0], 2: [1], 0: [2]})
         for where, rank, world, _, result in self.configurations("reducer"):
@@ -458,6 +475,21 @@ class TestOnRanks(unittest.TestCase):
                              f"{unused['raised'] or 'no error'} {unused['message'][:100]}")
             for name in ("spare.weight", "spare.bias"):
                 self.assertIn(name, unused["message"], f"{where}: the error names every parameter")
+
+    @exercise("bucketed-reducer")
+    def test_a_failed_backward_switches_synchronisation_off(self):
+        """After the RuntimeError, a backward that runs before the next forward (one that
+        reaches the spare layer too, so that its bucket would complete) communicates nothing:
+        `_finish` switched `_sync_this_backward` off; no rank launches an all-reduce that no
+        `_finish` would wait for."""
+        for where, _, _, _, result in self.configurations("reducer"):
+            events = [tuple(e) for e in result["unused"]["events_after"]]
+            sent = [e for e in events if e[0] != "grad"]
+            if sent:
+                self.fail(f"{where}: a backward after the failed one, before any forward: expected no "
+                          f"launch and no callback (synchronisation switched off), got {sent}")
+            if sorted(i for _, i in events) != list(range(8)):
+                self.fail(f"{where}: expected a gradient for each of the 8 parameters, got {events}")
 
     @exercise("bucketed-reducer")
     def test_find_unused_parameters_leaves_a_layer_no_rank_used_untouched(self):
@@ -673,6 +705,47 @@ class TestFindUnused(unittest.TestCase):
         for _ in range(3000):
             value = value * weight
         self.assert_unused(value, [other, weight], [0], "a 3,000-step chain through one weight")
+
+    def test_each_node_is_visited_once(self):
+        """The docstring's cost, one visit per node: 40 residual steps x = x + x w make a graph
+        of 81 nodes but 2^40 paths (each residual block of a real network doubles them); a walk
+        that does not remember the nodes it met follows every path. Counted in Python line
+        events (sys.settrace), not in seconds, and stopped past 500 lines per node."""
+        weight, other = nn.Parameter(torch.tensor(0.5)), nn.Parameter(torch.tensor(2.0))
+        value = torch.tensor(1.0)
+        for _ in range(40):
+            value = value + value * weight
+        nodes, stack = {value.grad_fn}, [value.grad_fn]  # the graph's nodes, counted here
+        while stack:
+            for following, _ in stack.pop().next_functions:
+                if following is not None and following not in nodes:
+                    nodes.add(following)
+                    stack.append(following)
+        self.assertEqual(len(nodes), 81, "40 additions, 40 multiplications, one AccumulateGrad")
+        budget, lines = 500 * len(nodes), 0
+
+        class OverBudget(Exception):
+            pass
+
+        def tracer(frame, event, arg):
+            nonlocal lines
+            lines += event == "line"
+            if lines > budget:
+                raise OverBudget  # unwinds the walk (and unsets the tracer)
+            return tracer
+
+        previous = sys.gettrace()
+        sys.settrace(tracer)
+        try:
+            got = find_unused.unused_parameters(value, [other, weight])
+        except OverBudget:
+            self.fail(f"expected about one visit per node of a graph of {len(nodes)} nodes and 2^40 "
+                      f"paths, got more than {budget:,} Python lines without an answer: mark each "
+                      f"node seen when you first meet it, and never push a seen node again")
+        finally:
+            sys.settrace(previous)
+        self.assertEqual(list(got), [0], f"40 residual steps through one weight: expected unused "
+                                         f"indices [0], got {got}")
 
     def test_nothing_is_computed_or_changed(self):
         model = data_parallel.make_model(0, unused=True)

@@ -180,8 +180,9 @@ def reducer_section(ctx, seed: int, group) -> dict:
     """BucketedDDP's hooks on given buckets, over `group`: the event order with gradients in
     parameter order (overlap) and in reverse bucket order, the averages, an unsynchronised
     backward, uneven buckets, two backwards in a row, a parameter without gradient (an error,
-    without find_unused_parameters); then with find_unused_parameters: a layer no rank used,
-    one only group rank 0 used, one used only under no_sync."""
+    without find_unused_parameters, and nothing sent by a backward before the next forward);
+    then with find_unused_parameters: a layer no rank used, one only group rank 0 used, one
+    used only under no_sync; last, the hand-worked one-weight case (one bucket)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     x, y = checks.shard_of_step(ctx, 0, 4 * world, seed, group)
     result = {}
@@ -228,12 +229,16 @@ def reducer_section(ctx, seed: int, group) -> dict:
     synchronised_backward(wrapped, x, y)
     result["uneven"] = {"grads": flat_grads(wrapped.module)}
 
-    wrapped, _ = observed(data_parallel.make_model(seed, unused=True), PAIRS_8)
+    wrapped, events = observed(data_parallel.make_model(seed, unused=True), PAIRS_8)
     try:
         synchronised_backward(wrapped, x, y)
         result["unused"] = {"raised": "", "message": ""}
     except Exception as exc:  # noqa: BLE001 - the test reads which error, if any
         result["unused"] = {"raised": type(exc).__name__, "message": str(exc)}
+    events.clear()  # a backward before the next forward, reaching every layer: nothing sent
+    model = wrapped.module
+    (F.mse_loss(model(x), y) + model.spare(torch.ones(1, 32, dtype=torch.float64)).sum()).backward()
+    result["unused"]["events_after"] = [list(e) for e in events]
 
     # find_unused_parameters: forward's findings are given (`unused`), the reducer acts on them
     wrapped, events = observed(checks.build(checks.SpareMLP, seed, ctx.device), PAIRS_8,
@@ -262,6 +267,15 @@ def reducer_section(ctx, seed: int, group) -> dict:
     wrapped.module.zero_grad(set_to_none=True)
     synchronised_backward(wrapped, x, y, unused=SPARE, aux_loss=rank == 0)
     result["aux_on_rank_0"] = {"grads": grads_of(wrapped.module)}
+
+    # the hand-worked case: a model of one weight, one bucket
+    hand = nn.Linear(1, 1, bias=False).double()
+    with torch.no_grad():
+        hand.weight.fill_(1.0)
+    wrapped, _ = observed(hand, [[0]])
+    synchronised_backward(wrapped, torch.tensor(HAND_X[ctx.rank], dtype=torch.float64).reshape(-1, 1),
+                          torch.tensor(HAND_Y[ctx.rank], dtype=torch.float64).reshape(-1, 1))
+    result["hand"] = hand.weight.grad.item()
     return result
 
 
