@@ -280,9 +280,10 @@ class TestDimensionGroups(unittest.TestCase):
 
 def loss_shares(pieces: list[tuple[torch.Tensor, torch.Tensor]], tokens: int, microbatches: int) -> list:
     """What nd.NDTrainer.loss_fn returns for each (logits (n, b, V), targets (b, n)) piece, on a
-    stand-in trainer that holds only what loss_fn reads."""
+    stand-in trainer that holds what loss_fn reads, and the layout the pieces come from (cp2:
+    each micro-batch's positions in 2 pieces)."""
     trainer = types.SimpleNamespace(config=types.SimpleNamespace(microbatches=microbatches),
-                                    tokens=torch.tensor(tokens))
+                                    tokens=torch.tensor(tokens), layout=nd.Layout(cp=2))
     return [nd.NDTrainer.loss_fn(trainer, logits, targets) for logits, targets in pieces]
 
 
