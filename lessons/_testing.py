@@ -241,6 +241,20 @@ def _loopback_name() -> str:
     return next((name for name in ("lo", "lo0") if name in names), "lo")
 
 
+def in_file_order(module_name: str):
+    """A `load_tests` for a test module: unittest (and so the grader) runs its TestCase
+    classes in the order the file defines them, as pytest does, instead of alphabetically.
+    Put an exercise's in-process checks above its launches: the grader stops an exercise at
+    its first failure, so a planted bug that a check in this process catches costs no ranks.
+    Usage, at the module's end: `load_tests = in_file_order(__name__)`."""
+    def load_tests(loader: unittest.TestLoader, tests, pattern) -> unittest.TestSuite:
+        module = sys.modules[module_name]
+        classes = [value for value in vars(module).values() if isinstance(value, type)
+                   and issubclass(value, unittest.TestCase) and value.__module__ == module_name]
+        return unittest.TestSuite(loader.loadTestsFromTestCase(cls) for cls in classes)
+    return load_tests
+
+
 def exercise(exercise_id: str):
     """Tag a test method or a TestCase class with the exercise it grades (lessons/_grading.py);
     untagged tests grade the lesson's "integration" criterion."""

@@ -142,13 +142,18 @@ def train_worker(ctx: RankContext, config: dict, layout: dict | None, ckpt_dir: 
     return result
 
 
-def accumulation_worker(ctx: RankContext, accum: int, clip: float) -> dict:
-    """One rank of the tests' multi-rank check of main.accumulation_step: lesson 02's
-    BucketedDDP over every rank, this rank's rows of a global batch of world x accum x 2
-    sequences (float64, SGD(lr=1): the update is the gradient), and the step of the whole
-    batch in one process, computed here too. Returns {"weights": max |ours - one process|,
-    "moved": max |update|, "loss": what the step returned, "expected_loss": the mean of this
-    rank's micro-batches' losses}."""
+def accumulation_worker(ctx: RankContext, accum: int, clips: tuple[float, ...]) -> dict[float, dict]:
+    """One rank of the tests' multi-rank check of main.accumulation_step, once per clip norm
+    in `clips` (one launch for all): {clip: accumulation_check(ctx, accum, clip)}."""
+    return {clip: accumulation_check(ctx, accum, clip) for clip in clips}
+
+
+def accumulation_check(ctx: RankContext, accum: int, clip: float) -> dict:
+    """Lesson 02's BucketedDDP over every rank (a fresh model from the same seed), this rank's
+    rows of a global batch of world x accum x 2 sequences (float64, SGD(lr=1): the update is
+    the gradient), and the step of the whole batch in one process, computed here too. Returns
+    {"weights": max |ours - one process|, "moved": max |update|, "loss": what the step
+    returned, "expected_loss": the mean of this rank's micro-batches' losses}."""
     torch.manual_seed(0)
     model = capstone.tiny_gpt.TinyGPT(13, 12, 3, 1, 7, dropout=0.0).double()  # sizes 3 does not divide
     reference = copy.deepcopy(model)

@@ -4,9 +4,10 @@ of planner.py's memory predictions against bytes measured on the CPU.
 * `add_plan_arguments`, `plan_inputs`, `plan_from_args`, `plan_main`: the flags checks.py
   wires in (`--plan`, `--simulate`, `--json`);
 * `planner_check`: one rank's measured bytes (lesson 07's MemoryTracker) during
-  nd.NDTrainer's steps, for the predictions of `predict_for_check`; `check_layouts` launches
-  it for several layouts (float64, or nd.py's bf16 autocast; with every block's forward
-  recomputed in backward: `recompute_blocks`) and `format_check` prints the table the
+  nd.NDTrainer's steps, for the predictions of `predict_for_check`; `check_runs` and
+  `check_layouts` launch it for several layouts, one launch per world size (float64, or
+  nd.py's bf16 autocast; with every block's forward recomputed in backward:
+  `recompute_blocks`) and `format_check` prints the table the
   README quotes (`python -m lessons.13_capstone.planner_checks`);
 * `ReferenceBlock`: a Llama-style block (RMSNorm, grouped-query attention, SwiGLU) in one
   process, whose saved bytes `reference_block_bytes` measures for the planner's terms that
@@ -300,26 +301,47 @@ def breakdown_before_reduce(trainer: nd.NDTrainer, tracker: memory.MemoryTracker
     return seen
 
 
-def check_layouts(layouts: list[nd.Layout], config: nd_model.GPTConfig | None = None,
-                  timeout_s: float = 120, bf16: bool = False, recompute: bool = False) -> list[dict]:
-    """Launch `planner_check` for each layout (CPU, gloo); one row per rank: the layout, the
-    measured and the predicted bytes (the recipe "fp64", or "nd-autocast" with `bf16`)."""
+def planner_check_worker(ctx, config: nd_model.GPTConfig, windows: list[torch.Tensor],
+                   checks: list[tuple[nd.Layout, bool, bool]]) -> list[dict]:
+    """One rank of one launch: `planner_check` for each (layout, bf16, recompute) of `checks`
+    in turn, all of this world size, each on a mesh and a trainer of its own (the tracker
+    counts only the storages made while it tracks, and what it is told to mark)."""
+    return [planner_check(ctx, config, layout, windows, bf16, recompute)
+            for layout, bf16, recompute in checks]
+
+
+def check_runs(checks: list[tuple[nd.Layout, bool, bool]], config: nd_model.GPTConfig | None = None,
+               timeout_s: float = 120) -> list[list[dict]]:
+    """`planner_check` for each (layout, bf16, recompute) of `checks` (CPU, gloo), one launch
+    per world size; for each check, in order, one row per rank: the layout, the measured and
+    the predicted bytes (the recipe "fp64", or "nd-autocast" with bf16)."""
     from lessons._launch import launch
 
     config = config or nd_model.GPTConfig()
     generator = torch.Generator().manual_seed(7)
     windows = [torch.randint(0, config.vocab, (config.global_batch, config.seq + 1), generator=generator)
                for _ in range(2)]
-    recipe = "nd-autocast" if bf16 else "fp64"
-    rows = []
-    for layout in layouts:
-        for measured in launch(planner_check, layout.world, (config, layout, windows, bf16, recompute),
-                               device="cpu", timeout_s=timeout_s):
-            fold = measured["zero_world"] == layout.dp * layout.cp and layout.cp > 1
-            rows.append({"layout": layout, "measured": measured, "predicted": predict_for_check(
-                config, layout, measured["rank"], recipe, "full" if recompute else "selective",
-                fold_cp=fold)})
-    return rows
+    out: list[list[dict]] = [[] for _ in checks]
+    for world in dict.fromkeys(layout.world for layout, _, _ in checks):
+        chosen = [i for i, (layout, _, _) in enumerate(checks) if layout.world == world]
+        per_rank = launch(planner_check_worker, world, (config, windows, [checks[i] for i in chosen]),
+                          device="cpu", timeout_s=timeout_s * len(chosen))
+        for slot, i in enumerate(chosen):
+            layout, bf16, recompute = checks[i]
+            for measured in (rank_results[slot] for rank_results in per_rank):
+                fold = measured["zero_world"] == layout.dp * layout.cp and layout.cp > 1
+                out[i].append({"layout": layout, "measured": measured, "predicted": predict_for_check(
+                    config, layout, measured["rank"], "nd-autocast" if bf16 else "fp64",
+                    "full" if recompute else "selective", fold_cp=fold)})
+    return out
+
+
+def check_layouts(layouts: list[nd.Layout], config: nd_model.GPTConfig | None = None,
+                  timeout_s: float = 120, bf16: bool = False, recompute: bool = False) -> list[dict]:
+    """`check_runs` of each layout (float64, or bf16 autocast; `recompute`), one launch per
+    world size: one row per rank, the layouts in order."""
+    return [row for rows in check_runs([(layout, bf16, recompute) for layout in layouts], config, timeout_s)
+            for row in rows]
 
 
 def format_check(rows: list[dict]) -> str:

@@ -745,10 +745,13 @@ class TestCli(unittest.TestCase):
             self.assertEqual(exit_.exception.code, 2, argv)
 
     def test_the_capstone_cli_prints_the_plan_and_refuses_bad_values(self):
+        # the wiring of checks.py's --plan, on the tiny model (the worked example's plan, the
+        # same code: test_defaults_print_the_worked_example)
         checks = importlib.import_module("lessons.13_capstone.checks")
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            self.assertEqual(checks.main(["--plan", "--plan-top", "2"]), 0)
+            code = checks.main(["--plan", "--plan-model", "tiny", "--plan-gpus", "8", "--plan-top", "2"])
+        self.assertEqual(code, 0, out.getvalue())
         self.assertRegex(out.getvalue(), r"\n\s+1  dp\d+")
         assert_argument_error(self, checks.parse_args, ["--plan", "--plan-heads", "7"],
                               "hidden 4096 is not divisible by heads 7")
@@ -764,9 +767,11 @@ class TestMeasuredCheck(unittest.TestCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.rows = PC.check_layouts(cls.LAYOUTS)
-        cls.autocast = PC.check_layouts([nd.Layout(tp=2, cp=2)], bf16=True)
-        cls.recomputed = PC.check_layouts([nd.Layout(tp=2, pp=2)], recompute=True)
+        checks = [(layout, False, False) for layout in cls.LAYOUTS]  # (layout, bf16, recompute)
+        checks += [(nd.Layout(tp=2, cp=2), True, False), (nd.Layout(tp=2, pp=2), False, True)]
+        rows = PC.check_runs(checks)  # one launch per world size (2 and 4), each check in turn
+        cls.rows = [row for per_check in rows[:len(cls.LAYOUTS)] for row in per_check]
+        cls.autocast, cls.recomputed = rows[len(cls.LAYOUTS):]
 
     def every_row(self):
         return [(name, row) for name, rows in (("fp64", self.rows), ("bf16 autocast", self.autocast),
