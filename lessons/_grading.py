@@ -216,6 +216,7 @@ def grade(tests_dir: str, exercise: str | list[str] | None = None,
         wanted = {exercise} if isinstance(exercise, str) else set(exercise)
         tests = [t for t in tests if criterion_of(t) in wanted or t in broken]
     recorder = _Recorder(first_failure)
+    ordered = tests
     with selecting(None if exercise is None else frozenset(wanted)):
         if not first_failure:
             unittest.TestSuite(tests).run(recorder)
@@ -228,11 +229,16 @@ def grade(tests_dir: str, exercise: str | list[str] | None = None,
                         recorder.outcomes[test.id()] = {"id": test.id(), "criterion": criterion_of(test),
                                                         "outcome": "not run", "message": NOT_RUN}
                     continue
+                errors = len(recorder.errors)
                 unittest.TestSuite(group).run(recorder)
+                if any(not isinstance(test, unittest.TestCase) for test, _ in recorder.errors[errors:]) \
+                        and any(test.id() not in recorder.outcomes for test in group):
+                    # its class (or module) failed to set up: its tests fail, and so do their criteria
+                    recorder.failed_criteria |= {criterion_of(test) for test in group}
     class_errors = {key: entry["message"] for key, entry in recorder.outcomes.items()
                     if not any(key == t.id() for t in tests)}  # setUpClass (pkg.Class) etc.
     outcomes = [entry for key, entry in recorder.outcomes.items() if key not in class_errors]
-    for test in tests:  # a test that never reported: its class or module failed to set up
+    for test in ordered:  # a test that never reported: its class or module failed to set up
         if test.id() not in recorder.outcomes:
             owner = f"{type(test).__module__}.{type(test).__qualname__}"
             message = next((f"{key}: {text}" for key, text in class_errors.items() if owner in key),

@@ -104,6 +104,35 @@ class TestScale(unittest.TestCase):
         pass
 '''
 
+FIXTURE_TEST = '''\
+import importlib
+import unittest
+
+from lessons._testing import exercise
+
+M = importlib.import_module("lessons.99_toy.main")
+
+
+@exercise("scale")
+class TestScaleFixture(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):  # the class's fixture calls the exercise: a stub fails it here
+        cls.scaled = M.scale([1], 2)
+
+    def test_fixture(self):
+        self.assertEqual(self.scaled, [2])
+
+
+@exercise("scale")
+class TestScaleLater(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):  # leaves a trace: --first-failure must not set this class up
+        open("scale_later_was_set_up", "w").close()
+
+    def test_scale_later(self):
+        self.assertEqual(M.scale([2], 2), [4])
+'''
+
 
 def make_workspace(root: Path, main: str = TOY_MAIN, test: str = TOY_TEST) -> dict:
     """A course-shaped folder with the shared modules and one toy lesson; its catalog entry."""
@@ -227,6 +256,26 @@ class TestGrading(unittest.TestCase):
         reference = self.grade(self.tmp / "reference", TOY_MAIN, first_failure=True)
         self.assertEqual(reference["add"]["outcome"], "passed")
         self.assertEqual(reference["add"]["not_run"], 0)
+
+    def test_a_class_that_fails_to_set_up_ends_its_criterion(self):
+        from course.__main__ import grade_lesson
+        stubbed = ex.stub_source(TOY_MAIN, ex.find_exercises(self._write(TOY_MAIN)))
+        reports = {}
+        for name, first_failure in (("full", False), ("fast", True)):
+            root = self.tmp / name
+            lesson = make_workspace(root, stubbed, FIXTURE_TEST)
+            with unittest.mock.patch.object(ex, "lesson_exercises",
+                                            lambda folder, main=root / "lessons/99_toy/main.py":
+                                            ex.find_exercises(main)):
+                report = grade_lesson(lesson, root, timeout=120, first_failure=first_failure)
+            reports[name] = report["criteria"]
+        self.assertEqual([reports[name]["scale"]["outcome"] for name in ("full", "fast")],
+                         ["failed", "failed"])
+        self.assertIn("NotImplementedError", reports["fast"]["scale"]["message"])
+        self.assertTrue((self.tmp / "full" / "scale_later_was_set_up").exists(),
+                        "without it every class runs")
+        self.assertFalse((self.tmp / "fast" / "scale_later_was_set_up").exists(),
+                         "a class whose setUpClass raised ends its criterion under --first-failure")
 
     def test_planted_bugs_graded_in_one_process_and_restored(self):
         from course.__main__ import grade_planted_bugs
