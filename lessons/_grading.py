@@ -194,11 +194,9 @@ def _by_class(tests: list) -> list[list]:
     return groups
 
 
-def _hinted_first(tests: list, first: str | None) -> list:
-    """`tests` with the one whose id ends with `first` ("test_x.TestY.test_z") moved to the
-    front (a planted bug's hint: the test that caught it last time); unchanged if none does."""
-    hinted = [t for t in tests if first and t.id().endswith("." + first)]
-    return hinted[:1] + [t for t in tests if t is not hinted[0]] if hinted else tests
+def _named(tests: list, name: str | None) -> list:
+    """The tests whose id ends with `name`, an id under a tests folder ("test_x.TestY.test_z")."""
+    return [t for t in tests if name and t.id().endswith("." + name)]
 
 
 def grade(tests_dir: str, exercise: str | list[str] | None = None,
@@ -216,14 +214,13 @@ def grade(tests_dir: str, exercise: str | list[str] | None = None,
         wanted = {exercise} if isinstance(exercise, str) else set(exercise)
         tests = [t for t in tests if criterion_of(t) in wanted or t in broken]
     recorder = _Recorder(first_failure)
-    ordered = tests
+    hinted = _named(tests, first)[:1] if first_failure else []
+    ordered = hinted + [t for t in tests if t not in hinted]
     with selecting(None if exercise is None else frozenset(wanted)):
         if not first_failure:
             unittest.TestSuite(tests).run(recorder)
-        else:
-            ordered = _hinted_first(tests, first)
-            groups = ([ordered[:1]] + _by_class(ordered[1:])) if ordered is not tests else _by_class(tests)
-            for group in groups:  # one suite per class: its fixtures run inside it
+        else:  # the hinted test alone, then one suite per class: its fixtures run inside it
+            for group in ([hinted] if hinted else []) + _by_class(ordered[len(hinted):]):
                 if {criterion_of(t) for t in group} <= recorder.failed_criteria:
                     for test in group:
                         recorder.outcomes[test.id()] = {"id": test.id(), "criterion": criterion_of(test),
@@ -321,8 +318,7 @@ def grade_planted_bugs(tests_dir: str, bugs_file: str | None = None,
 def passes_alone(tests_dir: str, exercise: str, test: str) -> bool:
     """Whether the test `test` ("test_x.TestY.test_z") passes run alone, with only its class's
     fixtures, on the code as it is: a hint must not depend on the tests before it."""
-    found = [t for t in _flatten(unittest.TestLoader().discover(tests_dir, top_level_dir="."))
-             if t.id().endswith("." + test)]
+    found = _named(_flatten(unittest.TestLoader().discover(tests_dir, top_level_dir=".")), test)
     recorder = _Recorder()
     with selecting(frozenset({exercise})):
         unittest.TestSuite(found[:1]).run(recorder)

@@ -302,7 +302,7 @@ def breakdown_before_reduce(trainer: nd.NDTrainer, tracker: memory.MemoryTracker
 
 
 def planner_check_worker(ctx, config: nd_model.GPTConfig, windows: list[torch.Tensor],
-                   checks: list[tuple[nd.Layout, bool, bool]]) -> list[dict]:
+                         checks: list[tuple[nd.Layout, bool, bool]]) -> list[dict]:
     """One rank of one launch: `planner_check` for each (layout, bf16, recompute) of `checks`
     in turn, all of this world size, each on a mesh and a trainer of its own (the tracker
     counts only the storages made while it tracks, and what it is told to mark)."""
