@@ -77,7 +77,7 @@ class TestPlantedBugs(unittest.TestCase):
         """bugs.json's caught_by runs first, so a bug costs one test, not every test before it
         (CI's time): a missing or stale hint fails here, with the command that rewrites them."""
         rewrite = ("in a copy of lessons/: python -m lessons._grading {tests} --planted-bugs "
-                   "--write-hints <the course>/lessons --json /tmp/bugs.json")
+                   "--write-hints COURSE/lessons --json /tmp/bugs.json")
         for lesson in self.chosen:
             for result in self.results[lesson["id"]]:
                 with self.subTest(lesson=lesson["id"], bug=result["id"]):
