@@ -75,6 +75,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TIMEOUT_S = 120.0
 _POLL_S = 0.02
 _STACK_DUMP_GRACE_S = 1.0
+# A rank's own alarm (dump its stacks and exit) rings this long after its collectives' timeout:
+# a peer of a hung rank must first raise its communication error and report it as a symptom.
+# With the two at the same instant, a loaded machine let the alarm kill a peer mid-raise, and
+# the peer was reported as hung too. Below the parent's 5 s, so the alarm still rings first.
+_ALARM_AFTER_TIMEOUT_S = 2.0
 
 
 class WorkerError(RuntimeError):
@@ -216,7 +221,8 @@ def _child_main(rank: int, spec: dict) -> None:
     stack_file = open(run_dir / f"rank{rank}.stacks", "w")  # noqa: SIM115 (lives as long as the process)
     faulthandler.enable(stack_file)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    faulthandler.dump_traceback_later(spec["timeout_s"], exit=True, file=stack_file)
+    faulthandler.dump_traceback_later(spec["timeout_s"] + _ALARM_AFTER_TIMEOUT_S, exit=True,
+                                      file=stack_file)
     threading.Thread(target=_watch_parent, args=(spec["parent_pid"],), daemon=True).start()
     _PHASE["file"] = run_dir / f"rank{rank}.phase"
     try:
