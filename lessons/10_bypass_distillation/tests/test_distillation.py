@@ -411,7 +411,8 @@ class TestCommandLine(TempDirCase):
         assert_argument_error(self, C.parse_args, ["--layers", "0"], "--layers")
 
     def test_under_torchrun_the_ranks_share_one_directory(self):
-        report = run_under_torchrun(Path(M.__file__), ["--quick", "--timeout", "200"], nproc_per_node=2)
+        report = run_under_torchrun(Path(M.__file__), ["--quick", "--layers", "2", "--timeout", "200"],
+                                    nproc_per_node=2)  # one block per rank
         self.assertTrue(report["passed"], [c for c in report["checks"] if not c["passed"]])
         self.assertEqual(report["world_size"], 2)
 
