@@ -524,6 +524,13 @@ def worked_example_candidates() -> list:
     return P.evaluate(P.MODELS["llama3-8b-class"], H100, P.Run(512))
 
 
+@functools.cache
+def worked_example_plan() -> list:
+    """plan() of the README's worked example by its bounded search (no candidates), made once
+    for the tests that read it: plan is a function of its arguments alone."""
+    return P.plan(P.MODELS["llama3-8b-class"], H100, P.Run(512))
+
+
 class TestRanking(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -552,7 +559,7 @@ class TestRanking(unittest.TestCase):
         def rows(planned):
             return [(c.strategy, c.step_s, c.memory.peak) for c in planned]
 
-        self.assertEqual(rows(P.plan(self.model, H100, self.plan_run)),
+        self.assertEqual(rows(worked_example_plan()),
                          rows(P.plan(self.model, H100, self.plan_run, self.candidates)))
         small = P.Model(8, 32, 4, 32, 16)
         for gpus, overlap, network in ((8, False, 50e9), (16, True, 50e9), (16, False, 1e8)):
@@ -712,7 +719,20 @@ class TestCli(unittest.TestCase):
         return parser.parse_args(["--plan", *argv])
 
     def test_defaults_print_the_worked_example(self):
-        text = PC.plan_from_args(self.parse("--plan-top", "3"))
+        # the defaults' bounded search is the worked example's (TestRanking made it): the
+        # same plan() call, once; any other arguments would go to plan itself
+        plan, calls = P.plan, []
+
+        def remembered(model, cluster, run, candidates=None):
+            calls.append((model, cluster, run, candidates))
+            if (model, cluster, run, candidates) == (P.MODELS["llama3-8b-class"], H100, P.Run(512), None):
+                return worked_example_plan()
+            return plan(model, cluster, run, candidates)
+
+        with mock.patch.object(P, "plan", remembered):
+            text = PC.plan_from_args(self.parse("--plan-top", "3"))
+        self.assertEqual(calls, [(P.MODELS["llama3-8b-class"], H100, P.Run(512), None)],
+                         "the defaults plan the worked example (8B-class, 64 H100s, 512 sequences)")
         self.assertIn("7.53 B parameters", text)
         self.assertIn("engine megatron, recipe bf16 (weights 2 grads 4 optimizer 12 bytes)", text)
         self.assertEqual(len([line for line in text.splitlines() if line[:3].strip().isdigit()]), 3)
