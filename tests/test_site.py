@@ -1,5 +1,8 @@
 """The learner site, built from catalog.json and driven in a real headless Chromium (playwright
-with the system browser; CI installs it and sets COURSE_REQUIRE_BROWSER=1 so it cannot skip)."""
+with the system browser; CI installs it and sets COURSE_REQUIRE_BROWSER=1 so it cannot skip).
+The lessons' figures are drawn in quick mode (COURSE_QUICK=1, as the notebooks' test does): a
+figure that trains or benchmarks draws the same picture from a shorter run; `python -m course
+site` draws the full ones."""
 
 from __future__ import annotations
 
@@ -21,6 +24,16 @@ from course import site as site_module
 CHROMIUM = os.environ.get("COURSE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+_QUICK = mock.patch.dict(os.environ, {"COURSE_QUICK": "1"})
+
+
+def setUpModule():
+    _QUICK.start()
+
+
+def tearDownModule():
+    _QUICK.stop()
 
 
 def require_npm_or_cache() -> None:
@@ -113,24 +126,32 @@ class TestSiteInBrowser(unittest.TestCase):
         self.addCleanup(self.context.close)
 
     def open(self, relative: str):
+        """A new tab on the built page, once its diagrams are rendered; (page, its errors)."""
         page = self.context.new_page()
-        errors: list[str] = []
-        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        errors = _watch(page)
+        self.go(page, relative)
+        return page, errors
+
+    def go(self, page, relative: str) -> None:
         page.goto(f"{self.base}/{relative}")
         page.wait_for_selector("body[data-mermaid=done]", state="attached", timeout=60_000)
-        return page, errors
 
     def visit_every_page(self) -> dict[str, dict]:
         """Each built page loaded once (a page's diagrams take seconds to render): its console
         errors, mermaid blocks and their SVGs, and each figure (src, natural width, alt) after
-        it was scrolled into view and finished loading. Shared by the two tests below."""
+        it was scrolled into view and finished loading. Shared by the two tests below. One tab
+        visits them all, a navigation each (a new document: nothing of the last page's scripts
+        survives): a new tab per page cost 4 CPU seconds a page (a fresh renderer compiles
+        mermaid.min.js again), a navigation 1."""
         cls = type(self)
         if not hasattr(cls, "_visits"):
             visits = {}
+            page = self.context.new_page()
+            errors = _watch(page)
             for path in self.pages:
                 relative = path.relative_to(self.out).as_posix()
-                page, errors = self.open(relative)
+                errors.clear()
+                self.go(page, relative)
                 images = page.locator("#figures img")
                 figures = []
                 for index in range(images.count()):
@@ -141,7 +162,7 @@ class TestSiteInBrowser(unittest.TestCase):
                                     image.get_attribute("alt")))
                 visits[relative] = {"errors": list(errors), "blocks": page.locator("pre.mermaid").count(),
                                     "svgs": page.locator("pre.mermaid svg").count(), "figures": figures}
-                page.close()
+            page.close()
             cls._visits = visits
         return cls._visits
 
@@ -203,6 +224,14 @@ class TestSiteInBrowser(unittest.TestCase):
         page.locator("#quiz-reset").click()
         self.assertIn(f"Score: 0 / {total} (0 answered)", page.locator("#quiz-score").inner_text())
         self.assertEqual(errors, [])
+
+
+def _watch(page) -> list[str]:
+    """The list the page's console errors and uncaught exceptions are appended to."""
+    errors: list[str] = []
+    page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    return errors
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):

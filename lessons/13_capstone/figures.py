@@ -1,17 +1,23 @@
 """The capstone's picture for the course site: the loss curve of the default CPU run (2 ranks,
-the demo's configuration), trained by the lesson's own code and drawn by `plot_losses`."""
+the demo's configuration), trained by the lesson's own code and drawn by `plot_losses`. In quick
+mode (COURSE_QUICK=1: the site's tests) the same run is cut to QUICK_STEPS steps (the same curves,
+held-out points at the start, every steps/4 and the end); the built site keeps the default run."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 from . import checks
 
+QUICK_STEPS = 16
+
 
 def site_figures(out_dir: Path) -> list[dict]:
-    args = checks.parse_args(["--device", "cpu"])
+    quick = ["--steps", str(QUICK_STEPS)] if os.environ.get("COURSE_QUICK") == "1" else []
+    args = checks.parse_args(["--device", "cpu", *quick])
     config = checks.config_from(args)
     scratch = Path(tempfile.mkdtemp(prefix="capstone-figure-"))
     try:
