@@ -9,6 +9,12 @@
 * One intra-op thread per process (OMP_NUM_THREADS=1, unless set): the two workers, their
   grader processes and notebook kernels already keep both cores busy, and torch's default (a
   thread per core in every process) only made them fight (the whole run: 739 s -> 696 s).
+* The launcher's forkserver (an import of torch and torch._dynamo, about 4.5 CPU seconds) is
+  started at once only in a process that runs tests; every other process the suite starts (a
+  script refusing a bad argument, a grader, a `python -m unittest`) starts one at its first
+  `launch()`, if it launches at all (lessons/_prewarm.py's NO_PREWARM, spelled out here as
+  course/__init__.py does: importing it would prewarm). Counted in one run: 52 forkservers,
+  238 CPU seconds.
 * At the end, a table of seconds per lesson suite and per course-wide test module.
 """
 
@@ -21,7 +27,9 @@ from collections import defaultdict
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, here and in every child
 
-import lessons  # noqa: E402,F401  (starts the launcher's forkserver now, before `course` may import it)
+os.environ["_DTFS_NO_PREWARM"] = "1"  # inherited by every process the suite starts
+
+from lessons._prewarm import prewarm  # noqa: E402
 
 _SECONDS: dict[str, float] = defaultdict(float)
 _COUNTS: dict[str, int] = defaultdict(int)
@@ -37,6 +45,13 @@ def _group(nodeid: str) -> str:
 # place after them.
 SLOWEST_FIRST = ("tests/test_planted_bugs.py", "tests/test_notebooks.py", "lessons/13_capstone/",
                  "tests/test_site.py", "tests/test_runner.py", "tests/test_portability.py")
+
+
+def pytest_configure(config):
+    """The forkserver starts now (while this process imports the suites) where tests run: in an
+    xdist worker, or here without xdist; pytest-xdist's controller runs none."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        prewarm(force=True)
 
 
 def pytest_collection_modifyitems(session, config, items):

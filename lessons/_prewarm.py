@@ -28,10 +28,13 @@ def start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
-def prewarm() -> None:
+def prewarm(force: bool = False) -> None:
     """Start the forkserver now (cheap, idempotent). A no-op under torchrun (no ranks to fork),
-    under spawn, in the forkserver itself and inside a launched rank."""
-    if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or NO_PREWARM in os.environ \
+    under spawn, in the forkserver itself and inside a launched rank; also where NO_PREWARM is
+    set (a process that may never launch: the server would import torch for nothing, and the
+    first `launch()` starts it anyway), unless `force` (`course run` starts it while its ranks'
+    output goes to a file)."""
+    if ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or (NO_PREWARM in os.environ and not force) \
             or multiprocessing.parent_process() is not None:
         return
     try:
@@ -41,8 +44,12 @@ def prewarm() -> None:
         return  # launch() reports a bad COURSE_START_METHOD
     from multiprocessing import forkserver
     multiprocessing.set_forkserver_preload(PRELOAD)
+    saved = os.environ.get(NO_PREWARM)
     os.environ[NO_PREWARM] = "1"  # the server inherits it: it must not start a server itself
     try:
         forkserver.ensure_running()
     finally:
-        os.environ.pop(NO_PREWARM, None)
+        if saved is None:
+            os.environ.pop(NO_PREWARM, None)
+        else:
+            os.environ[NO_PREWARM] = saved
