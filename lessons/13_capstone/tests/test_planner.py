@@ -720,18 +720,11 @@ class TestCli(unittest.TestCase):
 
     def test_defaults_print_the_worked_example(self):
         # the defaults' bounded search is the worked example's (TestRanking made it): the
-        # same plan() call, once; any other arguments would go to plan itself
-        plan, calls = P.plan, []
-
-        def remembered(model, cluster, run, candidates=None):
-            calls.append((model, cluster, run, candidates))
-            if (model, cluster, run, candidates) == (P.MODELS["llama3-8b-class"], H100, P.Run(512), None):
-                return worked_example_plan()
-            return plan(model, cluster, run, candidates)
-
-        with mock.patch.object(P, "plan", remembered):
+        # same plan() call, once, answered with the plan already made
+        with mock.patch.object(P, "plan", return_value=worked_example_plan()) as planned:
             text = PC.plan_from_args(self.parse("--plan-top", "3"))
-        self.assertEqual(calls, [(P.MODELS["llama3-8b-class"], H100, P.Run(512), None)],
+        worked_example = mock.call(P.MODELS["llama3-8b-class"], H100, P.Run(512), None)
+        self.assertEqual(planned.call_args_list, [worked_example],
                          "the defaults plan the worked example (8B-class, 64 H100s, 512 sequences)")
         self.assertIn("7.53 B parameters", text)
         self.assertIn("engine megatron, recipe bf16 (weights 2 grads 4 optimizer 12 bytes)", text)
