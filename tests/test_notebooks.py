@@ -6,7 +6,6 @@ torch, which overlaps well with another notebook's work even on two cores."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import unittest
 from unittest import mock
@@ -19,19 +18,10 @@ from tests._course import REPO_ROOT, lessons
 AT_A_TIME = 2
 
 
-def _no_prewarm_variable() -> str:
-    """lessons/_prewarm.py's NO_PREWARM, read without importing the `lessons` package (importing
-    it starts a forkserver in this process)."""
-    spec = importlib.util.spec_from_file_location("_prewarm", REPO_ROOT / "lessons" / "_prewarm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.NO_PREWARM
-
-
-# With NO_PREWARM set, importing `lessons` in a kernel starts no forkserver (torch imported once
-# more: ~4 CPU seconds) in a notebook that never launches ranks (07, 08); a notebook that does
-# starts it at its first launch() instead, as the launcher always can.
-KERNEL_ENV = {"COURSE_QUICK": "1", _no_prewarm_variable(): "1"}
+# conftest.py's NO_PREWARM reaches every kernel: importing `lessons` there starts no forkserver
+# (torch imported once more: ~4 CPU seconds) in a notebook that never launches ranks (07, 08);
+# a notebook that does starts it at its first launch(), as the launcher always can.
+KERNEL_ENV = {"COURSE_QUICK": "1"}
 
 
 async def _execute_all(paths: list) -> dict:
