@@ -4,7 +4,8 @@ Each lesson keeps the tests that compare its README's and quiz's numbers with wh
 produces in a class named `TestDocNumbers`. Here they run again in a fresh process with
 `ATEN_CPU_CAPABILITY=default`, PyTorch's plain (non-vectorised) CPU kernels: another x86-64 or
 an arm64 CPU sums in other orders, and a quoted number must survive that (exactly, or within
-the tolerance its test states).
+the tolerance its test states). Numbers measured on the meta device (shapes and bytes, no CPU
+kernel runs: lesson 07's TestDocNumbersOnMeta) are not rerun.
 """
 
 from __future__ import annotations
