@@ -18,8 +18,6 @@ import unittest
 from collections.abc import Callable
 from pathlib import Path
 
-from lessons._report import merge_rank_checks
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -75,6 +73,8 @@ def launch_once(fn: Callable) -> Callable:
 
 def assert_every_check_passes(case: unittest.TestCase, results_by_world: dict[int, list[dict]]) -> None:
     """Every named check of a demo worker passed on every rank, for every world size."""
+    from lessons._report import merge_rank_checks  # imports torch: the grader itself does not
+
     for world, per_rank in results_by_world.items():
         for check in merge_rank_checks([result["checks"] for result in per_rank]):
             with case.subTest(world=world, check=check.name):
