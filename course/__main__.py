@@ -224,7 +224,12 @@ def make_exercise(key: str, out: Path | None, exercise: str | None) -> int:
 
 
 def gpu_count() -> int:
-    """CUDA devices visible to a fresh process (this runner never imports torch itself)."""
+    """CUDA devices visible to a fresh process (this runner never imports torch itself). An
+    empty CUDA_VISIBLE_DEVICES hides every device (the CUDA Programming Guide, appendix
+    "CUDA Environment Variables": "set to an empty string, no GPU devices are visible"; the
+    CPU suite sets it): 0, without starting a process that imports torch to say so."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
     code = "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=300)

@@ -43,17 +43,35 @@ class TestDiscovery(unittest.TestCase):
 
 
 class TestCourseCommands(unittest.TestCase):
-    def test_course_run_one_lesson(self):
-        with tempfile.TemporaryDirectory() as tmp:
-            summary = Path(tmp) / "summary.json"
-            proc = run("-m", "course", "run", "01", "--json", str(summary), "--demo-args",
-                       "--device cpu")
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls._shared_run = None
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.tmp.cleanup()
+
+    def shared_run(self) -> tuple[subprocess.CompletedProcess, dict]:
+        """`course run 01 04 12 --json PATH --demo-args "--device cpu"`, once, in one process:
+        (the process, its summary). Shared by the two tests below: one checks lesson 01's row
+        and the table, the other compares 04's and 12's reports with isolated runs (a
+        `course run` process pays for torch and a forkserver before its first demo)."""
+        cls = type(self)
+        if cls._shared_run is None:
+            summary = Path(cls.tmp.name) / "shared.json"
+            proc = run("-m", "course", "run", "01", "04", "12", "--json", str(summary),
+                       "--demo-args", "--device cpu")
             self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-            data = json.loads(summary.read_text())
+            cls._shared_run = proc, json.loads(summary.read_text())
+        return cls._shared_run
+
+    def test_course_run_chosen_lessons(self):
+        proc, data = self.shared_run()
         self.assertTrue(data["passed"])
-        self.assertEqual(data["lessons"][0]["lesson"], "01")
+        self.assertEqual([row["lesson"] for row in data["lessons"]], ["01", "04", "12"])
         self.assertIn("ring all-reduce", data["lessons"][0]["headline"])
-        self.assertIn("1 of 1 lesson demos passed", proc.stdout)
+        self.assertIn("3 of 3 lesson demos passed", proc.stdout)
 
     def test_course_run_reports_a_failing_demo(self):
         # a demo that fails (a crashing rank) must make `course run` fail, not pass quietly
@@ -66,24 +84,26 @@ class TestCourseCommands(unittest.TestCase):
 
     def test_in_one_process_and_isolated_give_the_same_reports(self):
         # course/demos.py: the same checks and metrics whether the demos share this process (and
-        # its forkserver) or each gets a fresh one; only timings differ
-        with tempfile.TemporaryDirectory() as tmp:
-            reports = {}
-            for mode in ("--json", "--isolated"):
-                path = Path(tmp) / f"{mode}.json"
-                extra = ["--isolated"] if mode == "--isolated" else []
-                proc = run("-m", "course", "run", "04", "12", "--json", str(path), *extra)
-                self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-                reports[mode] = json.loads(path.read_text())
-        self.assertTrue(reports["--json"]["in_one_process"])
-        self.assertFalse(reports["--isolated"]["in_one_process"])
-        for shared, alone in zip(reports["--json"]["lessons"], reports["--isolated"]["lessons"]):
-            self.assertEqual(shared["checks"], alone["checks"])
-            self.assertGreater(shared["checks"], 10)
+        # its forkserver) or each gets a fresh one; only timings differ. 04 and 12 run after
+        # 01 in the shared process.
+        _, shared = self.shared_run()
+        path = Path(self.tmp.name) / "isolated.json"
+        proc = run("-m", "course", "run", "04", "12", "--json", str(path), "--isolated",
+                   "--demo-args", "--device cpu")
+        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+        isolated = json.loads(path.read_text())
+        self.assertTrue(shared["in_one_process"])
+        self.assertFalse(isolated["in_one_process"])
+        shared_rows = {row["lesson"]: row for row in shared["lessons"]}
+        self.assertEqual([row["lesson"] for row in isolated["lessons"]], ["04", "12"])
+        for alone in isolated["lessons"]:
+            shared_row = shared_rows[alone["lesson"]]
+            self.assertEqual(shared_row["checks"], alone["checks"])
+            self.assertGreater(shared_row["checks"], 10)
             untimed = [{k: v for k, v in row["metrics"].items() if "seconds" not in k}
-                       for row in (shared, alone)]
-            self.assertEqual(untimed[0], untimed[1], shared["folder"])
-            self.assertGreater(len(untimed[0]), 3, shared["folder"])
+                       for row in (shared_row, alone)]
+            self.assertEqual(untimed[0], untimed[1], shared_row["folder"])
+            self.assertGreater(len(untimed[0]), 3, shared_row["folder"])
 
     @unittest.skipUnless(sys.platform.startswith("linux"), "uses /proc")
     def test_a_hung_demo_is_stopped_at_its_timeout_and_leaves_no_process(self):

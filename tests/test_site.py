@@ -64,10 +64,14 @@ class TestSiteBuild(unittest.TestCase):
             body, toc = original(text, link_map)
             return body + '<a href="no-such-page.html">oops</a>', toc
 
+        # one lesson's site is enough to carry the broken link (the whole course's is built
+        # and link-checked below)
+        catalog = copy.deepcopy(load_catalog())
+        catalog["lessons"] = catalog["lessons"][:1]
         with tempfile.TemporaryDirectory() as tmp, \
                 mock.patch.object(site_module, "render_markdown", with_broken_link):
             with self.assertRaisesRegex(site_module.SiteError, "no-such-page.html -> missing"):
-                site_module.build_site(Path(tmp) / "out")
+                site_module.build_site(Path(tmp) / "out", catalog)
 
     def test_link_checker_catches_missing_anchor_and_external_links(self):
         with tempfile.TemporaryDirectory() as tmp:
@@ -138,8 +142,9 @@ class TestSiteInBrowser(unittest.TestCase):
 
     def visit_every_page(self) -> dict[str, dict]:
         """Each built page loaded once (a page's diagrams take seconds to render): its console
-        errors, mermaid blocks and their SVGs, and each figure (src, natural width, alt) after
-        it was scrolled into view and finished loading. Shared by the two tests below. One tab
+        errors, mermaid blocks and their SVGs, each figure (src, natural width, alt) after it
+        was scrolled into view and finished loading, and the lesson cards it lists (the
+        data-lesson of each, in order). Shared by the three tests below. One tab
         visits them all, a navigation each (a new document: nothing of the last page's scripts
         survives): a new tab per page cost 4 CPU seconds a page (a fresh renderer compiles
         mermaid.min.js again), a navigation 1."""
@@ -160,8 +165,10 @@ class TestSiteInBrowser(unittest.TestCase):
                     page.wait_for_function("img => img.complete", arg=image.element_handle())
                     figures.append((image.get_attribute("src"), image.evaluate("img => img.naturalWidth"),
                                     image.get_attribute("alt")))
+                cards = page.locator("li.lesson-card").evaluate_all("els => els.map(e => e.dataset.lesson)")
                 visits[relative] = {"errors": list(errors), "blocks": page.locator("pre.mermaid").count(),
-                                    "svgs": page.locator("pre.mermaid svg").count(), "figures": figures}
+                                    "svgs": page.locator("pre.mermaid svg").count(), "figures": figures,
+                                    "cards": cards}
             page.close()
             cls._visits = visits
         return cls._visits
@@ -188,8 +195,7 @@ class TestSiteInBrowser(unittest.TestCase):
                     self.assertTrue(alt, f"{src}: no alt text")
 
     def test_index_lists_every_catalog_lesson_in_order(self):
-        page, _ = self.open("index.html")
-        ids = page.locator("li.lesson-card").evaluate_all("els => els.map(e => e.dataset.lesson)")
+        ids = self.visit_every_page()["index.html"]["cards"]
         self.assertEqual(ids, [lesson["id"] for lesson in load_catalog()["lessons"]])
 
     def test_quiz_feedback_score_progress_and_reset(self):
