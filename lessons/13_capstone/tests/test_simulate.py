@@ -116,14 +116,15 @@ class TestCounter(unittest.TestCase):
 class TestCli(unittest.TestCase):
     def test_plan_simulate_writes_the_comparison(self):
         """`--plan --simulate --json` on 4 GPUs of the tiny model: the plan's best layout
-        simulated, its rows in the JSON, exit 0 when they agree."""
+        simulated, its rows in the JSON, exit 0 when they agree. A global batch of 2: the same
+        best layout as 4 (pp4), its stages in 2 micro-batches instead of 4."""
         checks = importlib.import_module("lessons.13_capstone.checks")
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "plan.json"
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
                 code = checks.main(["--plan", "--simulate", "--plan-model", "tiny", "--plan-gpus", "4",
-                                    "--plan-batch", "4", "--plan-top", "1", "--json", str(path)])
+                                    "--plan-batch", "2", "--plan-top", "1", "--json", str(path)])
             report = json.loads(path.read_text())
         self.assertEqual(code, 0, out.getvalue())
         self.assertTrue(report["passed"], report)
