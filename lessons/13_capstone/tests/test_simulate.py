@@ -26,11 +26,12 @@ S = importlib.import_module("lessons.13_capstone.simulate")
 nd = importlib.import_module("lessons.13_capstone.nd")
 collectives = importlib.import_module("lessons.01_collectives.main")
 
-# every dimension at 2 (16 ranks); 4 micro-batches per dp replica; sizes small, shapes real; a
+# every dimension at 2 (16 ranks); 3 micro-batches per dp replica (m > pp: 1F1B's steady state,
+# as with 4, for three quarters of the fake-tensor ops); sizes small, shapes real; a
 # vocabulary (1024 x hidden 64) whose head's weight gradient decides the last stage's peak
 MODEL = P.Model(layers=4, hidden=64, heads=4, vocab=1024, seq=64)
 CLUSTER = P.Cluster(16, 8, 80e9, 450e9, 50e9, 989e12)
-RUN = P.Run.for_engine("megatron", 8)
+RUN = P.Run.for_engine("megatron", 6)
 EVERY = nd.Layout(dp=2, tp=2, pp=2, cp=2)
 
 
@@ -115,14 +116,15 @@ class TestCounter(unittest.TestCase):
 class TestCli(unittest.TestCase):
     def test_plan_simulate_writes_the_comparison(self):
         """`--plan --simulate --json` on 4 GPUs of the tiny model: the plan's best layout
-        simulated, its rows in the JSON, exit 0 when they agree."""
+        simulated, its rows in the JSON, exit 0 when they agree. A global batch of 2: the same
+        best layout as 4 (pp4), its stages in 2 micro-batches instead of 4."""
         checks = importlib.import_module("lessons.13_capstone.checks")
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "plan.json"
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
                 code = checks.main(["--plan", "--simulate", "--plan-model", "tiny", "--plan-gpus", "4",
-                                    "--plan-batch", "4", "--plan-top", "1", "--json", str(path)])
+                                    "--plan-batch", "2", "--plan-top", "1", "--json", str(path)])
             report = json.loads(path.read_text())
         self.assertEqual(code, 0, out.getvalue())
         self.assertTrue(report["passed"], report)
