@@ -820,12 +820,27 @@ class TestMeasuredCheck(unittest.TestCase):
         """On this tiny run the peak is not predicted to 10%: a stage has 2-4 blocks and 2
         micro-batches, so the first stage peaks in its first backward, before every gradient
         exists, short of the prediction by at most the gradients; backward's working set beyond
-        the one the planner counts is at most one micro-batch's activations. At scale
-        (test_simulate) both are small beside the peak."""
+        the one the planner counts is at most one micro-batch's activations, plus, with pp > 1,
+        one message between stages that gloo has not released yet (its worker thread drops a
+        send's buffer a moment after the send completes: now and then tp2 x pp2's first stage
+        peaked 8,192 bytes higher, one n b h r_residual message). At scale (test_simulate)
+        these are small beside the peak."""
         for name, row in self.every_row():
-            p, m = row["predicted"], row["measured"]["peak"]
-            self.assertLessEqual(p["peak"] - p["gradients"] - p["activation"], m, f"{name} {row['layout']}")
-            self.assertLessEqual(m, p["peak"] + p["activation"], f"{name} {row['layout']}")
+            p, m, layout = row["predicted"], row["measured"]["peak"], row["layout"]
+            self.assertLessEqual(p["peak"] - p["gradients"] - p["activation"], m, f"{name} {layout}")
+            self.assertLessEqual(m, p["peak"] + p["activation"] + self.pipeline_message(name, layout),
+                                 f"{name} {layout}")
+
+    @staticmethod
+    def pipeline_message(name: str, layout: nd.Layout) -> int:
+        """The bytes of one stage-to-stage message of the run (P.communication's pp term per
+        message: n b h r_residual, n = s / (cp tp)); 0 without a pipeline."""
+        if layout.pp == 1:
+            return 0
+        config = nd_model.GPTConfig()
+        run = PC.check_run(config, layout, "nd-autocast" if name == "bf16 autocast" else "fp64")
+        micro_batch = PC.check_strategy(config, layout).micro_batch
+        return TINY.seq // (layout.cp * layout.tp) * micro_batch * TINY.hidden * run.recipe.residual
 
 
 if __name__ == "__main__":
