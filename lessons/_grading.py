@@ -232,16 +232,18 @@ def grade(tests_dir: str, exercise: str | list[str] | None = None,
                         and any(test.id() not in recorder.outcomes for test in group):
                     # its class (or module) failed to set up: its tests fail, and so do their criteria
                     recorder.failed_criteria |= {criterion_of(test) for test in group}
-    class_errors = {key: entry["message"] for key, entry in recorder.outcomes.items()
-                    if not any(key == t.id() for t in tests)}  # setUpClass (pkg.Class) etc.
-    outcomes = [entry for key, entry in recorder.outcomes.items() if key not in class_errors]
-    for test in ordered:  # a test that never reported: its class or module failed to set up
-        if test.id() not in recorder.outcomes:
+    class_level = {key: entry for key, entry in recorder.outcomes.items()
+                   if not any(key == t.id() for t in tests)}  # setUpClass (pkg.Class) etc.
+    outcomes = [entry for key, entry in recorder.outcomes.items() if key not in class_level]
+    for test in ordered:  # a test that never reported: its class or module failed to set up,
+        if test.id() not in recorder.outcomes:  # or skipped itself there (blocked, as a test's skip)
             owner = f"{type(test).__module__}.{type(test).__qualname__}"
-            message = next((f"{key}: {text}" for key, text in class_errors.items() if owner in key),
-                           "did not run")
+            found = next(((key, entry) for key, entry in class_level.items() if owner in key), None)
+            blocked = found is not None and found[1]["outcome"] == "blocked"
+            message = (found[1]["message"] if blocked else f"{found[0]}: {found[1]['message']}") \
+                if found else "did not run"
             outcomes.append({"id": test.id(), "criterion": criterion_of(test),
-                             "outcome": "failed", "message": message})
+                             "outcome": "blocked" if blocked else "failed", "message": message})
     return {"tests": outcomes, "criteria": criteria(outcomes)}
 
 

@@ -134,6 +134,32 @@ class TestScaleLater(unittest.TestCase):
 '''
 
 
+SKIPPED_CLASS_TEST = '''\
+import importlib
+import unittest
+
+from lessons._testing import exercise
+
+M = importlib.import_module("lessons.99_toy.main")
+
+
+@exercise("scale")
+class TestScaleOnTwoGPUs(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):  # a class that skips itself in its fixture: blocked, not failed
+        raise unittest.SkipTest("needs two GPUs")
+
+    def test_scale_on_gpus(self):
+        self.assertEqual(M.scale([1], 2), [2])
+
+
+@exercise("add")
+class TestAdd(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(M.add(2, 3), 5)
+'''
+
+
 def make_workspace(root: Path, main: str = TOY_MAIN, test: str = TOY_TEST) -> dict:
     """A course-shaped folder with the shared modules and one toy lesson; its catalog entry."""
     package = root / "lessons"
@@ -276,6 +302,20 @@ class TestGrading(unittest.TestCase):
                         "without it every class runs")
         self.assertFalse((self.tmp / "fast" / "scale_later_was_set_up").exists(),
                          "a class whose setUpClass raised ends its criterion under --first-failure")
+
+    def test_a_class_that_skips_in_its_set_up_is_blocked_not_failed(self):
+        from course.__main__ import grade_lesson
+        for first_failure in (False, True):
+            root = self.tmp / f"skipped-{first_failure}"
+            lesson = make_workspace(root, TOY_MAIN, SKIPPED_CLASS_TEST)
+            with unittest.mock.patch.object(ex, "lesson_exercises",
+                                            lambda folder, main=root / "lessons/99_toy/main.py":
+                                            ex.find_exercises(main)):
+                criteria = grade_lesson(lesson, root, timeout=120, first_failure=first_failure)["criteria"]
+            with self.subTest(first_failure=first_failure):
+                self.assertEqual({key: entry["outcome"] for key, entry in criteria.items()},
+                                 {"scale": "blocked", "add": "passed"})
+                self.assertEqual(criteria["scale"]["message"], "needs two GPUs")
 
     def test_planted_bugs_graded_in_one_process_and_restored(self):
         from course.__main__ import grade_planted_bugs
