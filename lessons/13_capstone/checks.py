@@ -373,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out if args.out is not None else scratch / "out"
     ckpt = out / "checkpoints"
     if not args.resume and ckpt.exists() and any(ckpt.iterdir()):
+        shutil.rmtree(scratch, ignore_errors=True)
         print(f"error: {ckpt} already holds checkpoints: pass --resume to continue them, or "
               "choose another --out", file=sys.stderr)
         return 2
@@ -432,4 +433,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             # keep the loss curve where the learner can see it; drop the checkpoints
             shutil.rmtree(ckpt, ignore_errors=True)
-        shutil.rmtree(scratch / "resume-check", ignore_errors=True)
+            shutil.rmtree(scratch / "resume-check", ignore_errors=True)
+        else:  # everything kept is under --out: the scratch folder goes
+            shutil.rmtree(scratch, ignore_errors=True)

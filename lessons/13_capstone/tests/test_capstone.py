@@ -592,10 +592,12 @@ class TestRuns(unittest.TestCase):
         self.assertLess(abs(resharded["final_val_loss"] - plain["final_val_loss"]), 0.05)
 
     def test_existing_checkpoints_without_resume_exit_2(self):
-        stderr = io.StringIO()
-        with contextlib.redirect_stderr(stderr):
+        stderr, temp = io.StringIO(), self.dir / "temp"
+        temp.mkdir()
+        with contextlib.redirect_stderr(stderr), mock.patch.object(tempfile, "tempdir", str(temp)):
             code = C.main([*SMALL, "--out", str(self.dir / "b")])
         self.assertEqual(code, 2)
+        self.assertEqual(list(temp.glob("capstone-*")), [], "a refused run left its scratch folder")
         self.assertEqual(len(stderr.getvalue().strip().splitlines()), 1)
         self.assertIn("pass --resume", stderr.getvalue())
 
@@ -622,8 +624,11 @@ class TestDocNumbers(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.dir = Path(tempfile.mkdtemp(prefix="capstone-demo-"))
-        cls.code = C.main(["--device", "cpu", "--json", str(cls.dir / "m.json"),
-                           "--out", str(cls.dir / "out")])
+        cls.temp = cls.dir / "temp"  # main()'s scratch folders: none may stay
+        cls.temp.mkdir()
+        with mock.patch.object(tempfile, "tempdir", str(cls.temp)):
+            cls.code = C.main(["--device", "cpu", "--json", str(cls.dir / "m.json"),
+                               "--out", str(cls.dir / "out")])
         cls.metrics = metrics_of(cls.dir / "m.json")
 
     @classmethod
@@ -662,6 +667,9 @@ class TestDocNumbers(unittest.TestCase):
         self.assertEqual(flops.peak_flops_for("NVIDIA H100 80GB HBM3"), 989e12)
         self.assertEqual(M.micro_batch_size(24, 2, 2), 6)
         self.assertIn("2 ranks x 2 micro-batches of 6 sequences", README)
+
+    def test_a_run_with_out_leaves_nothing_outside_it(self):
+        self.assertEqual(list(self.temp.glob("capstone-*")), [], "main() left its scratch folder behind")
 
     def test_no_weights_digest_is_quoted(self):
         # a sha256 of trained weights is a same-machine fact: the README must not promise one
