@@ -238,12 +238,16 @@ def grade(tests_dir: str, exercise: str | list[str] | None = None,
     for test in ordered:  # a test that never reported: its class or module failed to set up,
         if test.id() not in recorder.outcomes:  # or skipped itself there (blocked, as a test's skip)
             owner = f"{type(test).__module__}.{type(test).__qualname__}"
-            found = next(((key, entry) for key, entry in class_level.items() if owner in key), None)
-            blocked = found is not None and found[1]["outcome"] == "blocked"
-            message = (found[1]["message"] if blocked else f"{found[0]}: {found[1]['message']}") \
-                if found else "did not run"
+            key, entry = next(((key, entry) for key, entry in class_level.items() if owner in key),
+                              (None, None))
+            if entry is None:
+                outcome, message = "failed", "did not run"
+            elif entry["outcome"] == "blocked":
+                outcome, message = "blocked", entry["message"]
+            else:
+                outcome, message = "failed", f"{key}: {entry['message']}"
             outcomes.append({"id": test.id(), "criterion": criterion_of(test),
-                             "outcome": "blocked" if blocked else "failed", "message": message})
+                             "outcome": outcome, "message": message})
     return {"tests": outcomes, "criteria": criteria(outcomes)}
 
 
