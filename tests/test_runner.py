@@ -10,13 +10,28 @@ import time
 import unittest
 from pathlib import Path
 
-from lessons._testing import alive, descendants
+from lessons._testing import alive, descendants, launch_once
 from tests._course import REPO_ROOT, lessons
 
 
 def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=timeout)
+
+
+@launch_once
+def shared_course_run() -> tuple[subprocess.CompletedProcess, dict]:
+    """`course run 01 04 12 --json PATH --demo-args "--device cpu"`, once, in one process:
+    (the process, its summary). Shared by two tests: one checks lesson 01's row and the table,
+    the other compares 04's and 12's reports with isolated runs (a `course run` process pays
+    for torch and a forkserver before its first demo). A failure is not run again."""
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = Path(tmp) / "shared.json"
+        proc = run("-m", "course", "run", "01", "04", "12", "--json", str(summary),
+                   "--demo-args", "--device cpu")
+        if proc.returncode != 0:
+            raise AssertionError(f"course run 01 04 12 exited {proc.returncode}: {proc.stdout + proc.stderr}")
+        return proc, json.loads(summary.read_text())
 
 
 class TestDiscovery(unittest.TestCase):
@@ -43,31 +58,8 @@ class TestDiscovery(unittest.TestCase):
 
 
 class TestCourseCommands(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.tmp = tempfile.TemporaryDirectory()
-        cls._shared_run = None
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.tmp.cleanup()
-
-    def shared_run(self) -> tuple[subprocess.CompletedProcess, dict]:
-        """`course run 01 04 12 --json PATH --demo-args "--device cpu"`, once, in one process:
-        (the process, its summary). Shared by the two tests below: one checks lesson 01's row
-        and the table, the other compares 04's and 12's reports with isolated runs (a
-        `course run` process pays for torch and a forkserver before its first demo)."""
-        cls = type(self)
-        if cls._shared_run is None:
-            summary = Path(cls.tmp.name) / "shared.json"
-            proc = run("-m", "course", "run", "01", "04", "12", "--json", str(summary),
-                       "--demo-args", "--device cpu")
-            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-            cls._shared_run = proc, json.loads(summary.read_text())
-        return cls._shared_run
-
     def test_course_run_chosen_lessons(self):
-        proc, data = self.shared_run()
+        proc, data = shared_course_run()
         self.assertTrue(data["passed"])
         self.assertEqual([row["lesson"] for row in data["lessons"]], ["01", "04", "12"])
         self.assertIn("ring all-reduce", data["lessons"][0]["headline"])
@@ -86,12 +78,13 @@ class TestCourseCommands(unittest.TestCase):
         # course/demos.py: the same checks and metrics whether the demos share this process (and
         # its forkserver) or each gets a fresh one; only timings differ. 04 and 12 run after
         # 01 in the shared process.
-        _, shared = self.shared_run()
-        path = Path(self.tmp.name) / "isolated.json"
-        proc = run("-m", "course", "run", "04", "12", "--json", str(path), "--isolated",
-                   "--demo-args", "--device cpu")
-        self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
-        isolated = json.loads(path.read_text())
+        _, shared = shared_course_run()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "isolated.json"
+            proc = run("-m", "course", "run", "04", "12", "--json", str(path), "--isolated",
+                       "--demo-args", "--device cpu")
+            self.assertEqual(proc.returncode, 0, proc.stdout + proc.stderr)
+            isolated = json.loads(path.read_text())
         self.assertTrue(shared["in_one_process"])
         self.assertFalse(isolated["in_one_process"])
         shared_rows = {row["lesson"]: row for row in shared["lessons"]}
