@@ -15,6 +15,9 @@
   `launch()`, if it launches at all (lessons/_prewarm.py's NO_PREWARM, spelled out here as
   course/__init__.py does: importing it would prewarm). Counted in one run: 52 forkservers,
   238 CPU seconds.
+* A lesson test marked @torchrun_demo (lessons._testing) is left out when tests/test_torchrun.py
+  is collected too: that file runs every such demo in one torchrun job and applies each test's
+  check to its lesson's report (a job per lesson: 116 CPU seconds for ten; one job: 29).
 * At the end, a table of seconds per lesson suite and per course-wide test module.
 """
 
@@ -40,11 +43,13 @@ def _group(nodeid: str) -> str:
     return match.group(1) if match else nodeid.split("::")[0]
 
 
+TORCHRUN_DEMOS = "tests/test_torchrun.py"  # the lessons' torchrun demos in one job
+
 # Slowest first (the planted bugs with the untouched workspaces, the notebooks, lesson 13's
 # files, the site, the runner, the doc numbers on plain kernels); every other file keeps its
 # place after them.
 SLOWEST_FIRST = ("tests/test_planted_bugs.py", "tests/test_notebooks.py", "lessons/13_capstone/",
-                 "tests/test_site.py", "tests/test_runner.py", "tests/test_portability.py")
+                 "tests/test_site.py", "tests/test_runner.py", "tests/test_portability.py", TORCHRUN_DEMOS)
 
 
 def pytest_configure(config):
@@ -60,6 +65,13 @@ def pytest_collection_modifyitems(session, config, items):
                     len(SLOWEST_FIRST))
 
     items.sort(key=rank)  # stable: the order inside a file is kept
+    # tests/test_torchrun.py runs every @torchrun_demo lesson test's demo in one torchrun job
+    # and applies the test's check: the lessons' own copies (a job each) are left out
+    if any(item.nodeid.startswith(TORCHRUN_DEMOS) for item in items):
+        own = [item for item in items if hasattr(getattr(item, "obj", None), "torchrun_check")]
+        if own:
+            config.hook.pytest_deselected(items=own)
+            items[:] = [item for item in items if item not in own]
 
 
 def pytest_runtest_logreport(report):

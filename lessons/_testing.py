@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import unittest
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +71,30 @@ def launch_once(fn: Callable) -> Callable:
     return wrapper
 
 
+class LazyWorlds(Mapping):
+    """{world size: one launch's per-rank results}, each world launched when it is first read
+    (through `launch_world(world)`, under launch_once: its result or failure is remembered, never
+    relaunched). Iteration goes through the worlds in order, so a test that stops at its first
+    failure launches no world after the failing one: the grader's first-failure mode ends a
+    test at its first failing subTest (a planted bug caught on 2 ranks costs no 3- or 4-rank
+    launch). A whole suite reads every world: the same launches as an eager dict."""
+
+    def __init__(self, worlds, launch_world: Callable[[int], list]):
+        self._worlds = tuple(worlds)
+        self._launch = launch_once(launch_world)
+
+    def __getitem__(self, world: int) -> list:
+        if world not in self._worlds:
+            raise KeyError(world)
+        return self._launch(world)
+
+    def __iter__(self):
+        return iter(self._worlds)
+
+    def __len__(self) -> int:
+        return len(self._worlds)
+
+
 def assert_every_check_passes(case: unittest.TestCase, results_by_world: dict[int, list[dict]]) -> None:
     """Every named check of a demo worker passed on every rank, for every world size."""
     from lessons._report import merge_rank_checks  # imports torch: the grader itself does not
@@ -124,34 +148,8 @@ def run_under_torchrun(script: Path, args: list[str], nproc_per_node: int = 2, n
     """
     with tempfile.TemporaryDirectory(prefix="dtfs-torchrun-") as tmp:
         report = Path(tmp) / "report.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": _loopback_name()}
-        base = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
         lesson_args = [str(script), *args, "--device", "cpu", "--json", str(report)]
-        if nnodes == 1:
-            commands = [[*base, "--standalone", *lesson_args]]
-        else:
-            endpoint = f"127.0.0.1:{free_port()}"
-            commands = [[*base, f"--nnodes={nnodes}", f"--node-rank={node}", "--rdzv-backend=c10d",
-                         f"--rdzv-endpoint={endpoint}", f"--rdzv-id=test-{os.getpid()}",
-                         f"--rdzv-conf=is_host={1 if node == 0 else 0}", "--max-restarts=0",
-                         *lesson_args] for node in range(nnodes)]
-        procs = [subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, start_new_session=True)
-                 for command in commands]
-        outputs = []
-        try:
-            deadline = time.monotonic() + timeout
-            for proc in procs:
-                try:
-                    outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
-                except subprocess.TimeoutExpired:
-                    outputs.append(f"(killed after {timeout:g} s)")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.communicate()
-        codes = [proc.returncode for proc in procs]
+        codes, outputs = _torchrun(lesson_args, nproc_per_node, nnodes, timeout)
         if any(code != 0 for code in codes) or not report.exists():
             tails = "\n".join(f"--- torchrun node {node} (exit {code}):\n{output[-3000:]}"
                               for node, (code, output) in enumerate(zip(codes, outputs)))
@@ -160,14 +158,100 @@ def run_under_torchrun(script: Path, args: list[str], nproc_per_node: int = 2, n
         return json.loads(report.read_text())
 
 
+def _torchrun(script_and_args: list[str], nproc_per_node: int, nnodes: int,
+              timeout: float) -> tuple[list[int | None], list[str]]:
+    """Start `torchrun ... script args` (one process per node, on loopback), wait up to
+    `timeout` in all, kill what is left: (each node's exit code, each node's output)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": _loopback_name()}
+    base = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}"]
+    if nnodes == 1:
+        commands = [[*base, "--standalone", *script_and_args]]
+    else:
+        endpoint = f"127.0.0.1:{free_port()}"
+        commands = [[*base, f"--nnodes={nnodes}", f"--node-rank={node}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint={endpoint}", f"--rdzv-id=test-{os.getpid()}",
+                     f"--rdzv-conf=is_host={1 if node == 0 else 0}", "--max-restarts=0",
+                     *script_and_args] for node in range(nnodes)]
+    procs = [subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for command in commands]
+    outputs = []
+    try:
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 1))[0])
+            except subprocess.TimeoutExpired:
+                outputs.append(f"(killed after {timeout:g} s)")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.communicate()
+    return [proc.returncode for proc in procs], outputs
+
+
+def torchrun_demo(args: list[str]):
+    """Decorate a lesson's test `test_x(self, report)` that checks the report of its demo
+    (`main.py args --device cpu --json ...`) run under torchrun on one node with two processes.
+    Run alone (the lesson's suite, the grader), the test makes that torchrun run itself
+    (run_under_torchrun). The whole course's suite instead runs every such demo in one torchrun
+    job (tests/test_torchrun.py: two processes that run the lessons' harnesses one after
+    another, torch imported once), hands each test's check its lesson's report, and leaves the
+    lessons' own copies out (conftest.py): a torchrun job costs its agent and two interpreters
+    importing torch and torch._dynamo, about 7 CPU seconds before the demo's first step."""
+    def wrap(check: Callable):
+        @functools.wraps(check)
+        def test(self):
+            check(self, run_under_torchrun(lesson_script(check), args, nproc_per_node=2))
+        test.torchrun_args = list(args)
+        test.torchrun_check = check
+        return test
+    return wrap
+
+
+def lesson_script(fn: Callable) -> Path:
+    """The main.py of the lesson whose test module defines `fn` (lessons/NN_slug/tests/x.py)."""
+    return Path(sys.modules[fn.__module__].__file__).resolve().parent.parent / "main.py"
+
+
+def run_demos_under_torchrun(demos: list[tuple[Path, list[str]]], timeout: float = 600.0
+                             ) -> tuple[dict[Path, dict], int | None, str]:
+    """Run each lesson's demo (its main.py's harness with `args`) in turn in one torchrun job
+    on one node with two processes (lessons/_torchrun_demos.py). Returns ({script: its --json
+    report} for the demos that wrote one, the index of the demo the job stopped in or None when
+    every demo passed, and what went wrong: the failing rank's own error and the job's output).
+    The job stops at the first demo that fails (its ranks' state is then unknown): the demos
+    after it do not run."""
+    with tempfile.TemporaryDirectory(prefix="dtfs-torchrun-demos-") as tmp:
+        plan, reports = [], {}
+        for number, (script, args) in enumerate(demos):
+            reports[script] = Path(tmp) / f"report-{number}.json"
+            plan.append([str(script), [*args, "--device", "cpu", "--json", str(reports[script])]])
+        (Path(tmp) / "plan.json").write_text(json.dumps(plan))
+        driver = REPO_ROOT / "lessons" / "_torchrun_demos.py"
+        codes, outputs = _torchrun([str(driver), str(Path(tmp) / "plan.json")], 2, 1, timeout)
+        found = {script: json.loads(path.read_text()) for script, path in reports.items() if path.exists()}
+    if codes[0] == 0:
+        return found, None, ""
+    started = [int(n) for n in re.findall(r"^=== demo (\d+):", outputs[0], re.MULTILINE)]
+    stopped = started[-1] if started else 0
+    return found, stopped, (f"{rank_error(outputs)} (torchrun exit {codes[0]})\n"
+                            f"--- the job's output:\n{outputs[0][-3000:]}")
+
+
+_PEER_GONE = re.compile(r"Connection (reset|closed) by peer|Broken pipe|peer.*(closed|gone)", re.IGNORECASE)
+
+
 def rank_error(outputs: list[str]) -> str:
     """The failing rank's own error from torchrun's output: the one-line "error: rank N
-    failed: ..." a lesson prints, else the last exception line a rank printed (torchrun's
+    failed: ..." a lesson prints (a rank's own error before one that only says its peer went
+    away: "Connection reset by peer"), else the last exception line a rank printed (torchrun's
     own ChildFailedError summary is skipped: it only says that a child failed)."""
     text = "\n".join(outputs)
     ours = re.findall(r"^(?:\[[^\]]*\]:?\s*)?error: (rank \d+ failed: .+)$", text, re.MULTILINE)
-    if ours:
-        return ours[0].strip()
+    if ours:  # the root cause first: a rank that failed on its own, not from a peer's exit
+        return min(ours, key=lambda line: bool(_PEER_GONE.search(line))).strip()
     raised = [line.strip() for line in re.findall(
         r"^(?:\[[^\]]*\]:?\s*)?((?:[A-Za-z_.]+)?(?:Error|Exception|Interrupt)\b: .+)$", text, re.MULTILINE)
         if "ChildFailedError" not in line]

@@ -444,6 +444,11 @@ class TestGraderMessages(unittest.TestCase):
         ours = "error: rank 1 failed: ValueError: Number of tensor splits not equal to group size\n"
         self.assertEqual(rank_error(["all good\n", traceback_text + ours + torchrun_summary]),
                          "rank 1 failed: ValueError: Number of tensor splits not equal to group size")
+        # a peer that only saw rank 1 go away prints its line first: rank 1's own error is named
+        peer = ("error: rank 0 failed: RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error "
+                "[127.0.0.1]:20909: Connection reset by peer.\n")
+        self.assertEqual(rank_error([peer + ours]),
+                         "rank 1 failed: ValueError: Number of tensor splits not equal to group size")
 
 
 class TestWorkspaceRecord(unittest.TestCase):

@@ -27,7 +27,7 @@ import torch
 from lessons._checks import compare, sum_order_tolerance
 from lessons._launch import launch
 from lessons._report import merge_rank_checks
-from lessons._testing import assert_argument_error, exercise, run_under_torchrun
+from lessons._testing import LazyWorlds, assert_argument_error, exercise, run_under_torchrun, torchrun_demo
 
 M = importlib.import_module("lessons.01_collectives.main")  # the technique
 L = importlib.import_module("lessons.01_collectives.latency_optimal")  # its log2 p algorithms
@@ -251,16 +251,17 @@ def launch_exercise(worker, world: int, args: tuple = ()) -> list:
 
 class _ExerciseCase(unittest.TestCase):
     """Launches `worker` once per world size of W.CONFIGS (3 and 5 ranks), each launch running
-    every group configuration of that size (setUpClass: a failed launch fails the class's
-    tests once, it is not relaunched per test), and checks named results: each worker returns,
-    per rank, a list of cases {"case": ..., "where": ..., check: [passed, detail], ...}."""
+    every group configuration of that size, when a test of the class first reads that world (a
+    failed launch fails the class's tests, it is not relaunched per test: LazyWorlds; a planted
+    bug caught on 3 ranks costs no 5-rank launch), and checks named results: each worker
+    returns, per rank, a list of cases {"case": ..., "where": ..., check: [passed, detail], ...}."""
 
     worker = None
     args: tuple = ()
 
     @classmethod
     def setUpClass(cls):
-        cls.results = {world: launch_exercise(cls.worker, world, cls.args) for world in W.CONFIGS}
+        cls.results = LazyWorlds(W.CONFIGS, lambda world: launch_exercise(cls.worker, world, cls.args))
 
     def assert_check(self, check: str):
         seen = 0
@@ -482,8 +483,8 @@ class TestTorchrun(unittest.TestCase):
     """The demo joins a torchrun group instead of spawning: one node with two processes, and
     two nodes of one process each meeting on loopback (c10d rendezvous)."""
 
-    def test_one_node_two_processes(self):
-        report = run_under_torchrun(MAIN_PY, ["--numel", "50", "--quick"], nproc_per_node=2)
+    @torchrun_demo(["--numel", "50", "--quick"])
+    def test_one_node_two_processes(self, report):
         self.assertTrue(report["passed"], [c for c in report["checks"] if not c["passed"]])
         self.assertEqual(report["world_size"], 2)
         self.assertEqual(report["metrics"]["bytes_sent_per_rank"], [200, 200])

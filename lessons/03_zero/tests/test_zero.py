@@ -27,8 +27,8 @@ from lessons._testing import (
     assert_every_check_passes,
     exercise,
     launch_once,
-    run_under_torchrun,
     selected_exercises,
+    torchrun_demo,
 )
 
 M = importlib.import_module("lessons.03_zero.main")  # the technique
@@ -302,9 +302,8 @@ class TestAgainstReferences(unittest.TestCase):
         self.assertIsNone(self.results[1][0]["metrics"]["zero3_over_zero1_bytes"],
                           "one rank sends nothing: expected no ratio")
 
-    def test_the_demo_under_torchrun(self):
-        report = run_under_torchrun(Path(M.__file__), ["--quick", "--batch", "8"],
-                                    nproc_per_node=2)
+    @torchrun_demo(["--quick", "--batch", "8"])
+    def test_the_demo_under_torchrun(self, report):
         failed = [c for c in report["checks"] if not c["passed"]]
         self.assertEqual(failed, [], "torchrun, 2 ranks: expected every check to pass")
         self.assertEqual((report["world_size"], report["device"], report["backend"]),

@@ -18,7 +18,7 @@ from lessons._testing import (
     assert_argument_error,
     assert_every_check_passes,
     exercise,
-    run_under_torchrun,
+    torchrun_demo,
 )
 
 M = importlib.import_module("lessons.04_tensor_parallel.main")
@@ -433,9 +433,8 @@ class TestCommandLine(unittest.TestCase):
         assert_argument_error(self, C.parse_args, ["--seq", "6", "--world-size", "4"], "--seq 6")
         assert_argument_error(self, C.parse_args, ["--hidden", "10", "--heads", "4"], "--hidden 10")
 
-    def test_under_torchrun(self):
-        report = run_under_torchrun(Path(M.__file__), ["--seq", "4", "--hidden", "8", "--heads", "2"],
-                                    nproc_per_node=2)
+    @torchrun_demo(["--seq", "4", "--hidden", "8", "--heads", "2"])
+    def test_under_torchrun(self, report):
         self.assertTrue(report["passed"], f"torchrun, 2 ranks: failed checks "
                         f"{[c for c in report['checks'] if not c['passed']]}")
         self.assertEqual((report["world_size"], report["device"], report["backend"]),

@@ -22,7 +22,7 @@ from lessons._testing import (
     assert_argument_error,
     assert_every_check_passes,
     exercise,
-    run_under_torchrun,
+    torchrun_demo,
 )
 
 M = importlib.import_module("lessons.05_pipeline.main")
@@ -635,8 +635,8 @@ class TestCommandLine(unittest.TestCase):
             if "--device cuda" not in command:  # needs GPUs; the CPU suite never touches one
                 C.parse_args(command.replace("\\\n", " ").split())
 
-    def test_under_torchrun(self):
-        report = run_under_torchrun(Path(M.__file__), ["--microbatches", "4"], nproc_per_node=2)
+    @torchrun_demo(["--microbatches", "4"])
+    def test_under_torchrun(self, report):
         self.assertTrue(report["passed"], f"torchrun, 2 ranks: failed checks "
                         f"{[c for c in report['checks'] if not c['passed']]}")
         self.assertEqual((report["world_size"], report["device"], report["backend"]),

@@ -41,7 +41,7 @@ import torch
 
 from lessons._checks import max_abs_diff
 from lessons._launch import launch
-from lessons._testing import assert_argument_error, exercise, run_under_torchrun
+from lessons._testing import assert_argument_error, exercise, torchrun_demo
 
 M = importlib.import_module("lessons.06_checkpointing.main")  # the technique: the protocol
 F = importlib.import_module("lessons.06_checkpointing.atomic_file")  # the technique: one file
@@ -923,10 +923,10 @@ class TestDemo(unittest.TestCase):
                            "the killed run must have left a checkpoint to resume from")
         self.assertEqual(got["final_param_sha256"], expected)
 
-    def test_under_torchrun_every_rank_shares_one_directory(self):
+    @torchrun_demo(["--timeout", "180"])
+    def test_under_torchrun_every_rank_shares_one_directory(self, report):
         """torchrun --standalone --nproc-per-node=2 on CPU: rank 0 chooses the directory and
         broadcasts it; resharding runs 2 -> 1 in each process (torchrun fixes the world size)."""
-        report = run_under_torchrun(SCRIPT, ["--timeout", "180"], nproc_per_node=2, timeout=400)
         failed = [c for c in report["checks"] if not c["passed"]]
         self.assertTrue(report["passed"], failed)
         self.assertEqual(report["world_size"], 2)

@@ -23,7 +23,7 @@ from lessons._testing import (
     assert_argument_error,
     assert_every_check_passes,
     exercise,
-    run_under_torchrun,
+    torchrun_demo,
 )
 
 M = importlib.import_module("lessons.09_osft.main")
@@ -362,8 +362,8 @@ class TestCommandLine(unittest.TestCase):
         assert_argument_error(self, C.parse_args, ["--device", "cuda", "--world-size", "64"],
                               "needs 64 GPU(s)")
 
-    def test_under_torchrun(self):
-        report = run_under_torchrun(Path(M.__file__), ["--quick", "--timeout", "120"], nproc_per_node=2)
+    @torchrun_demo(["--quick", "--timeout", "120"])
+    def test_under_torchrun(self, report):
         self.assertTrue(report["passed"], report["checks"])
         self.assertEqual(report["world_size"], 2)
 

@@ -23,7 +23,7 @@ import torch
 
 from lessons._checks import fingerprint, max_abs_diff
 from lessons._launch import WorkerError, one_thread
-from lessons._testing import assert_argument_error, exercise, run_under_torchrun
+from lessons._testing import assert_argument_error, exercise, torchrun_demo
 
 M = importlib.import_module("lessons.10_bypass_distillation.main")
 R = importlib.import_module("lessons.10_bypass_distillation.resumable")
@@ -410,9 +410,8 @@ class TestCommandLine(TempDirCase):
         assert_argument_error(self, C.parse_args, ["--device", "cuda"], "trains its blocks on the CPU")
         assert_argument_error(self, C.parse_args, ["--layers", "0"], "--layers")
 
-    def test_under_torchrun_the_ranks_share_one_directory(self):
-        report = run_under_torchrun(Path(M.__file__), ["--quick", "--layers", "2", "--timeout", "200"],
-                                    nproc_per_node=2)  # one block per rank
+    @torchrun_demo(["--quick", "--layers", "2", "--timeout", "200"])  # one block per rank
+    def test_under_torchrun_the_ranks_share_one_directory(self, report):
         self.assertTrue(report["passed"], [c for c in report["checks"] if not c["passed"]])
         self.assertEqual(report["world_size"], 2)
 

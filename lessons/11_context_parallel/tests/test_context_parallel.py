@@ -9,6 +9,7 @@ Every assertion names what was expected, what came back and the configuration.""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import unittest
@@ -20,11 +21,12 @@ import torch.nn.functional as F
 
 from lessons._launch import launch
 from lessons._testing import (
+    LazyWorlds,
     assert_argument_error,
     exercise,
     launch_once,
     rank_configurations,
-    run_under_torchrun,
+    torchrun_demo,
 )
 
 M = importlib.import_module("lessons.11_context_parallel.main")
@@ -39,11 +41,12 @@ WORLDS = (1, 2, 3, 4)
 SEQ, HEADS, HEAD_DIM = 24, 12, 4  # 24 divisible by 2 cp and 12 by cp for cp = 1..4
 
 
-@launch_once
-def rank_results() -> dict:
-    """One launch per world size (every configuration inside), shared by the classes."""
-    return {world: launch(W.cp_worker, world, (SEQ, HEADS, HEAD_DIM), device="cpu", timeout_s=60)
-            for world in WORLDS}
+@functools.cache
+def rank_results() -> LazyWorlds:
+    """One launch per world size (every configuration inside), shared by the classes; a world
+    is launched when a test first reads it."""
+    return LazyWorlds(WORLDS, lambda world: launch(W.cp_worker, world, (SEQ, HEADS, HEAD_DIM),
+                                                   device="cpu", timeout_s=60))
 
 
 @launch_once
@@ -798,8 +801,8 @@ class TestCommandLine(unittest.TestCase):
             with self.subTest(argv=argv):
                 assert_argument_error(self, C.parse_args, argv, fragment)
 
-    def test_under_torchrun(self):
-        report = run_under_torchrun(Path(M.__file__), ["--seq", "8", "--heads", "2"], nproc_per_node=2)
+    @torchrun_demo(["--seq", "8", "--heads", "2"])
+    def test_under_torchrun(self, report):
         self.assertTrue(report["passed"], f"under torchrun, every check expected to pass, got "
                                           f"{[c for c in report['checks'] if not c['passed']]}")
         self.assertEqual((report["world_size"], report["device"], report["backend"]),

@@ -21,7 +21,7 @@ from lessons._testing import (
     exercise,
     launch_once,
     rank_configurations,
-    run_under_torchrun,
+    torchrun_demo,
 )
 
 M = importlib.import_module("lessons.12_expert_parallel.main")
@@ -591,8 +591,8 @@ class TestCommandLine(unittest.TestCase):
             args = C.parse_args(["--world-size", str(world)])
             self.assertEqual(args.experts, 2 * world, f"--world-size {world}: default experts 2 per rank")
 
-    def test_under_torchrun(self):
-        report = run_under_torchrun(Path(M.__file__), ["--quick", "--experts", "4"], nproc_per_node=2)
+    @torchrun_demo(["--quick", "--experts", "4"])
+    def test_under_torchrun(self, report):
         self.assertTrue(report["passed"], report["checks"])
         self.assertEqual((report["world_size"], report["device"], report["backend"]), (2, "cpu", "gloo"))
 

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from lessons._launch import launch, one_thread
-from lessons._testing import assert_argument_error, exercise, launch_once, run_under_torchrun
+from lessons._testing import assert_argument_error, exercise, launch_once, torchrun_demo
 
 M = importlib.import_module("lessons.15_profiling.main")
 U = importlib.import_module("lessons.15_profiling.utilisation")
@@ -851,11 +851,10 @@ EXACT_CHECKS = ("all-reduce call per bucket", "traced unedited", "FLOPs counted"
 
 
 class TestUnderTorchrun(unittest.TestCase):
-    def test_two_ranks_under_torchrun(self):
+    @torchrun_demo(["--steps", "2", "--pairs", "2", "--quick"])
+    def test_two_ranks_under_torchrun(self, report):
         """The demo joins torchrun's group; its exact checks pass (its measured rows are printed,
         not asserted here: the classes above grade them)."""
-        report = run_under_torchrun(Path(M.__file__), ["--steps", "2", "--pairs", "2", "--quick"],
-                                    nproc_per_node=2)
         self.assertEqual(report["world_size"], 2, "torchrun's world size")
         names = [c["name"] for c in report["checks"]]
         for fragment in EXACT_CHECKS:
