@@ -16,6 +16,8 @@ it). The outcome of every criterion is the same as without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -257,6 +259,35 @@ def _forget(package: str) -> None:
         del sys.modules[name]
 
 
+@contextlib.contextmanager
+def planted(texts: dict[Path, str]):
+    """Within: each file holds its new text (a planted bug, a stub); after: its own text, its
+    own modification time, and its own bytecode again. A workspace may hold the files' compiled
+    bytecode (__pycache__, which Python trusts while the source's size and modification second
+    match it): a changed file's bytecode is removed while it is changed, so no process can run
+    the original's code for it (a bug the same size as the line it replaces, planted within the
+    same second), nor one written for a bug the next bug (where processes write bytecode);
+    afterwards the original's bytecode is put back beside its original time, valid again (where
+    processes cannot write bytecode, every later import would otherwise compile it again)."""
+    saved = {}
+    for path in texts:
+        cache = Path(importlib.util.cache_from_source(str(path)))
+        saved[path] = (path.read_text(), path.stat(), cache, cache.read_bytes() if cache.exists() else None)
+    try:
+        for path, text in texts.items():
+            path.write_text(text)
+            saved[path][2].unlink(missing_ok=True)
+        yield
+    finally:
+        for path, (text, stat, cache, code) in saved.items():
+            path.write_text(text)
+            os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+            if code is None:
+                cache.unlink(missing_ok=True)
+            else:
+                cache.write_bytes(code)
+
+
 class BugTimeout(Exception):
     """A planted bug (or a mutant) made its exercise's tests run past --bug-timeout."""
 
@@ -290,23 +321,23 @@ def grade_planted_bugs(tests_dir: str, bugs_file: str | None = None,
     try:
         for number, bug in enumerate(bugs, 1):
             target = folder / bug.file
-            original = target.read_text()
             started = time.monotonic()
             try:
-                target.write_text(original.replace(bug.find, bug.replace, 1))
-                _forget(package)
-                if timeout_s:
-                    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-                report = grade(tests_dir, bug.exercise, first_failure=True, first=bug.caught_by)
+                with planted({target: target.read_text().replace(bug.find, bug.replace, 1)}):
+                    _forget(package)
+                    try:
+                        if timeout_s:
+                            signal.setitimer(signal.ITIMER_REAL, timeout_s)
+                        report = grade(tests_dir, bug.exercise, first_failure=True, first=bug.caught_by)
+                    finally:
+                        if timeout_s:
+                            signal.setitimer(signal.ITIMER_REAL, 0)
                 entry = report["criteria"].get(bug.exercise, {"outcome": "failed", "message": "no tests"})
                 failing = [test["id"] for test in report["tests"] if test["outcome"] == "failed"]
                 entry = {**entry, "caught_by": failing[0].split(".tests.", 1)[-1] if failing else ""}
             except BugTimeout as exc:
                 entry = {"outcome": "timeout", "message": str(exc), "caught_by": ""}
             finally:
-                if timeout_s:
-                    signal.setitimer(signal.ITIMER_REAL, 0)
-                target.write_text(original)
                 _forget(package)
             results.append({"id": bug.id, "exercise": bug.exercise, "mistake": bug.mistake,
                             "outcome": entry["outcome"], "message": entry["message"],
@@ -383,16 +414,14 @@ def grade_untouched(tests_dir: str) -> dict:
     folder = Path(tests_dir).resolve().parent
     package = f"lessons.{folder.name}"
     exercises = lesson_exercises(folder)
-    originals = {name: (folder / name).read_text() for name in sorted({e.file for e in exercises})}
+    stubs = {folder / name: stub_source((folder / name).read_text(), [e for e in exercises if e.file == name])
+             for name in sorted({e.file for e in exercises})}
     started = time.monotonic()
     try:
-        for name, text in originals.items():
-            (folder / name).write_text(stub_source(text, [e for e in exercises if e.file == name]))
-        _forget(package)
-        report = grade(tests_dir, [e.id for e in exercises], first_failure=True)
+        with planted(stubs):
+            _forget(package)
+            report = grade(tests_dir, [e.id for e in exercises], first_failure=True)
     finally:
-        for name, text in originals.items():
-            (folder / name).write_text(text)
         _forget(package)
     report["seconds"] = round(time.monotonic() - started, 2)
     return report

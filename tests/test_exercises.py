@@ -334,6 +334,34 @@ class TestGrading(unittest.TestCase):
                          [("plus-one", "failed"), ("harmless", "passed")])
         self.assertEqual((folder / "main.py").read_text(), TOY_MAIN)  # restored
 
+    def test_a_planted_file_never_runs_its_originals_bytecode(self):
+        """A workspace may hold compiled bytecode, which Python trusts while the source's size
+        and modification second match: a bug of the same size planted within that second must
+        still run, and afterwards the original's text, time and bytecode are back."""
+        import importlib.util
+        import os
+        import py_compile
+
+        from lessons._grading import planted
+        module = self.tmp / "planted" / "m.py"
+        module.parent.mkdir()
+        module.write_text("VALUE = 1\n")
+        py_compile.compile(str(module))
+        cache = Path(importlib.util.cache_from_source(str(module)))
+        before = (module.stat().st_mtime_ns, cache.read_bytes())
+
+        def value() -> str:
+            return subprocess.run([sys.executable, "-c", "import m; print(m.VALUE)"], cwd=module.parent,
+                                  env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True,
+                                  text=True, timeout=60).stdout.strip()
+
+        with planted({module: "VALUE = 2\n"}):
+            os.utime(module, ns=(before[0], before[0]))  # as if written within the same second
+            self.assertEqual(value(), "2", "the original's bytecode ran for the planted text")
+        self.assertEqual(module.read_text(), "VALUE = 1\n")
+        self.assertEqual((module.stat().st_mtime_ns, cache.read_bytes()), before)
+        self.assertEqual(value(), "1")
+
     def test_a_bugs_hint_runs_its_test_first_and_write_hints_records_it(self):
         from course.__main__ import grade_planted_bugs
         root = self.tmp / "hints"
