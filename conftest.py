@@ -45,20 +45,20 @@ def _group(nodeid: str) -> str:
 
 TORCHRUN_DEMOS = "tests/test_torchrun.py"  # the lessons' torchrun demos in one job
 
-# Longest first (a worker's seconds per file in a CI run of this suite, 2026-11-27: the planted
-# bugs with the untouched workspaces 175, the notebooks 109, the runner 69, the launcher 58, the
-# doc numbers on plain kernels 54, lesson 13's files 53, 52, 41 and 20, lesson 14 48, the site
-# 48, lesson 01 34, lesson 10 25, the torchrun demos 24, lessons 03, 15 and 07 17-20): the two
-# workers then end within a short file of each other (with lesson 14 last, one worker had
-# waited 25 s for the other). Every other file (14 s or less) keeps its place after them.
+# Longest first (a worker's seconds per file in a CI run of this suite at commit da8fe67,
+# 2026-11-27: the planted bugs with the untouched workspaces 109, the notebooks 77, the
+# runner 50, the site 47, lesson 13's files 47, 42, 29 and 14, the launcher 44, lesson 14 40,
+# the doc numbers on plain kernels 38, the torchrun demos 27, lesson 01 26, lesson 10 18,
+# lessons 07, 03 and 15 15-16): the two workers then end within a short file of each other
+# (with lesson 14 last, one worker had waited 25 s for the other). Every other file (14 s or
+# less) keeps its place after them.
 SLOWEST_FIRST = ("tests/test_planted_bugs.py", "tests/test_notebooks.py", "tests/test_runner.py",
-                 "tests/test_launch.py", "tests/test_portability.py",
-                 "lessons/13_capstone/tests/test_nd.py", "lessons/13_capstone/tests/test_capstone.py",
-                 "lessons/14_fault_tolerance/", "tests/test_site.py",
-                 "lessons/13_capstone/tests/test_planner.py", "lessons/01_collectives/",
-                 "lessons/10_bypass_distillation/", TORCHRUN_DEMOS,
-                 "lessons/13_capstone/tests/test_simulate.py", "lessons/03_zero/",
-                 "lessons/15_profiling/", "lessons/07_memory/")
+                 "tests/test_site.py", "lessons/13_capstone/tests/test_nd.py", "tests/test_launch.py",
+                 "lessons/13_capstone/tests/test_capstone.py", "lessons/14_fault_tolerance/",
+                 "tests/test_portability.py", "lessons/13_capstone/tests/test_planner.py",
+                 TORCHRUN_DEMOS, "lessons/01_collectives/", "lessons/10_bypass_distillation/",
+                 "lessons/07_memory/", "lessons/03_zero/", "lessons/15_profiling/",
+                 "lessons/13_capstone/tests/test_simulate.py")
 
 
 def pytest_configure(config):
