@@ -264,11 +264,11 @@ def planted(texts: dict[Path, str]):
     """Within: each file holds its new text (a planted bug, a stub); after: its own text, its
     own modification time, and its own bytecode again. A workspace may hold the files' compiled
     bytecode (__pycache__, which Python trusts while the source's size and modification second
-    match it): a changed file's bytecode is removed while it is changed, so no process can run
+    match it): a changed file's bytecode is removed while it is changed, so that no process runs
     the original's code for it (a bug the same size as the line it replaces, planted within the
-    same second), nor one written for a bug the next bug (where processes write bytecode);
-    afterwards the original's bytecode is put back beside its original time, valid again (where
-    processes cannot write bytecode, every later import would otherwise compile it again)."""
+    same second), and no bug runs the code another bug left there (where processes write
+    bytecode); afterwards the original's bytecode is put back beside its original time, valid
+    again (where processes cannot write bytecode, every later import would compile it again)."""
     saved = {}
     for path in texts:
         cache = Path(importlib.util.cache_from_source(str(path)))
