@@ -36,6 +36,7 @@ from lessons._testing import (
     REPO_ROOT,
     assert_argument_error,
     exercise,
+    free_port,
     processes_mentioning,
     rank_of,
     spawned_workers,
@@ -553,6 +554,70 @@ class TestTorchrunKill(unittest.TestCase):
             self.assertEqual(metrics["resumed_from"], 2, "the latest checkpoint before step 3")
             self.assertEqual(processes_mentioning(str(out)), [], "torchrun left processes")
         self.assertEqual(metrics["final_param_sha256"], reference_digest(2))
+
+
+@unittest.skipUnless(sys.platform.startswith("linux"), "uses /proc")
+class TestTorchrunNodeLost(unittest.TestCase):
+    """torchrun's membership change: two one-process nodes on loopback (`--nnodes=1:2`, c10d
+    rendezvous), the second node lost for good (its agent and its worker SIGKILLed) after the
+    first checkpoint. The first node's worker fails in communication, its agent restarts the
+    group alone, and the worker resumes the 2-rank checkpoint on 1 rank (resharded). It ends on
+    the digest our own agent gives for the same history (2 ranks up to that checkpoint, then 1:
+    `--fault exit --min-world-size 1`), bitwise."""
+
+    RENDEZVOUS = ("last_call_timeout=5,"  # both nodes join the first round; the second round waits
+                  "keep_alive_interval=1,keep_alive_max_attempt=2")  # the lost node is dropped in 2 s
+
+    def node(self, number: int, endpoint: str, out: Path, tmp: str) -> subprocess.Popen:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+               "PYTHONPATH": str(REPO_ROOT), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
+                   "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                   f"--rdzv-id=lost-{os.getpid()}",
+                   f"--rdzv-conf=is_host={int(number == 0)},{self.RENDEZVOUS}",
+                   str(MAIN), *SMALL, "--sleep-per-step", "0.5", "--out", str(out),
+                   "--json", f"{tmp}/node{number}.json"]
+        return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def test_a_lost_node_restarts_the_job_on_fewer_ranks_on_the_same_trajectory(self):
+        with tempfile.TemporaryDirectory(prefix="lesson14-nodes-") as tmp:
+            out = Path(tmp) / "out"
+            endpoint = f"127.0.0.1:{free_port()}"
+            nodes = [self.node(number, endpoint, out, tmp) for number in (0, 1)]
+            try:
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline and not (out / "checkpoints" / "latest").exists():
+                    time.sleep(0.05)
+                self.assertTrue((out / "checkpoints" / "latest").exists(), "no first checkpoint")
+                lost = processes_mentioning(f"{tmp}/node1.json")  # the node: its agent and worker
+                for pid in lost:
+                    os.kill(pid, signal.SIGKILL)
+                output = nodes[0].communicate(timeout=240)[0]
+            finally:
+                for proc in nodes:
+                    if proc.poll() is None:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    proc.communicate()
+            self.assertGreaterEqual(len(lost), 2, "node 1's agent and worker were not both found")
+            self.assertEqual(nodes[0].returncode, 0, output[-3000:])
+            report = json.loads(Path(f"{tmp}/node0.json").read_text())
+            metrics = report["metrics"]
+            self.assertEqual((report["world_size"], metrics["restart_count"]), (1, 1),
+                             "node 0's agent restarted the group on its one rank")
+            resumed = metrics["resumed_from"]
+            self.assertIsNotNone(resumed, "the restarted rank did not resume")
+            self.assertTrue(report["passed"], [c for c in report["checks"] if not c["passed"]])
+            self.assertEqual(processes_mentioning(str(out)), [], "torchrun left processes")
+            code = C.main([*SMALL, "--world-size", "2", "--fault", "exit", "--fault-rank", "1",
+                           "--fault-step", str(resumed + 1), "--min-world-size", "1",
+                           "--out", f"{tmp}/ours", "--json", f"{tmp}/ours.json"])
+            self.assertEqual(code, 0)
+            ours = json.loads(Path(f"{tmp}/ours.json").read_text())["metrics"]
+        self.assertEqual([a["world"] for a in ours["attempts"]], [2, 1])
+        self.assertEqual(ours["resumed_from"], resumed)
+        self.assertEqual(metrics["final_param_sha256"], ours["final_param_sha256"],
+                         "torchrun's restart on fewer ranks left our agent's trajectory")
 
 
 @unittest.skipUnless(sys.platform.startswith("linux"), "uses /proc")
