@@ -210,14 +210,19 @@ def finish(report: Report, json_path: Path | None, started: float) -> int:
     return 0 if report.passed else 1
 
 
-def run_harness(main_file: str, harness: str = "checks") -> None:
-    """What a lesson's `main.py` does when run as a script: import its sibling harness module
-    (`lessons.NN_slug.checks`) by package name and run that module's `main()` through
-    `run_main`. The technique file stays free of checks and CLI code."""
+def harness_of(main_file: str | Path, harness: str = "checks"):
+    """The harness module beside a lesson's `main.py` (`lessons.NN_slug.checks`), imported by
+    package name."""
     folder = Path(main_file).resolve().parent
     package = ".".join(folder.relative_to(Path(__file__).resolve().parent.parent).parts)
-    module = importlib.import_module(f"{package}.{harness}")
-    run_main(module.main)
+    return importlib.import_module(f"{package}.{harness}")
+
+
+def run_harness(main_file: str, harness: str = "checks") -> None:
+    """What a lesson's `main.py` does when run as a script: import its sibling harness module
+    (`harness_of`) and run that module's `main()` through `run_main`. The technique file stays
+    free of checks and CLI code."""
+    run_main(harness_of(main_file, harness).main)
 
 
 def run_body(body: Callable[[], int]) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import importlib
 import json
 import os
 import sys
@@ -27,15 +26,9 @@ if str(ROOT) not in sys.path:  # run as a script: lessons/ must be importable
 import torch.distributed as dist  # noqa: E402
 
 from lessons._launch import end_torchrun_process  # noqa: E402
-from lessons._report import run_body  # noqa: E402
+from lessons._report import harness_of, run_body  # noqa: E402
 
 GROUP_TIMEOUT_S = 600  # every demo's collectives: the longest of the lessons' --timeout values and more
-
-
-def harness_of(script: Path):
-    """lessons.NN_slug.checks: what main.py hands its `__main__` to (lessons._report.run_harness)."""
-    package = ".".join(script.resolve().parent.relative_to(ROOT).parts)
-    return importlib.import_module(f"{package}.checks")
 
 
 def main(plan_path: str) -> int:
@@ -46,7 +39,7 @@ def main(plan_path: str) -> int:
     for number, (script, args) in enumerate(plan):
         if os.environ["RANK"] == "0":
             print(f"=== demo {number}: {script} {' '.join(args)}", flush=True)
-        code = run_body(functools.partial(harness_of(Path(script)).main, args))
+        code = run_body(functools.partial(harness_of(script).main, args))
         if code != 0:
             return code
     return 0

@@ -44,11 +44,14 @@ class TestDemosUnderTorchrun(unittest.TestCase):
                 demo = f"{script.relative_to(REPO_ROOT)} {' '.join(args)}"
                 if script in reports:  # a report, passed or not: the lesson's own check reads it
                     fn.torchrun_check(self, reports[script])
+                elif stopped is None:
+                    self.fail(f"{demo}: the job passed but this demo wrote no --json report")
                 elif number == stopped:
                     self.fail(f"{demo}: failed under torchrun: {problem}")
                 else:
                     where = demos[stopped][0].relative_to(REPO_ROOT)
                     self.fail(f"{demo}: not run: the job stopped at {where}")
+
 
 if __name__ == "__main__":
     unittest.main()
